@@ -1,0 +1,47 @@
+"""Exception hierarchy. Every message names the object (path, tensor fqn, rank) and the fix."""
+
+from __future__ import annotations
+
+
+class DcpPlusError(Exception):
+    """Base class of every error raised by dcp_plus."""
+
+
+class CheckpointFormatError(DcpPlusError, ValueError):
+    """A commit record or data file does not follow the dcp_plus format."""
+
+
+class CorruptCheckpointError(DcpPlusError):
+    """Stored bytes do not match their checksum, or a data file is truncated."""
+
+
+class CheckpointExistsError(DcpPlusError, FileExistsError):
+    """A committed checkpoint already exists where a new one would be written."""
+
+
+class CheckpointNotFoundError(DcpPlusError, FileNotFoundError):
+    """No committed checkpoint (no commit record) at the given location."""
+
+
+class UnsafeValueError(DcpPlusError, TypeError):
+    """A non-tensor value would not load with ``torch.load(weights_only=True)``."""
+
+
+class UnsafeCheckpointError(DcpPlusError):
+    """Loading would require unpickling untrusted data and that was not allowed."""
+
+
+class WorkerError(DcpPlusError, RuntimeError):
+    """A writer worker process died or failed while writing."""
+
+
+class StagingError(DcpPlusError, RuntimeError):
+    """Snapshotting the state dict into host memory failed."""
+
+
+class CapacityError(DcpPlusError, MemoryError):
+    """A configured memory bound (``max_bytes``) would be exceeded."""
+
+
+class ClosedError(DcpPlusError, RuntimeError):
+    """The object was used after ``close()``."""

@@ -1,0 +1,226 @@
+"""The commit record ``.metadata``: UTF-8 JSON, parsed strictly, never unpickled.
+
+It carries DCP's ``Metadata`` (tensor properties, chunks, bytes entries, planner data) and one
+extent per stored item. A checkpoint exists iff its record exists.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from dcp_plus.errors import CheckpointFormatError
+
+FORMAT_NAME = "dcp_plus"
+FORMAT_VERSION = 1
+RECORD_NAME = ".metadata"
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Where one stored item lives: ``length`` stored bytes at ``offset`` of ``file``."""
+
+    file: str
+    offset: int
+    length: int
+    raw_length: int
+    codec: str
+    checksum: str
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -> bytes:
+    """Serialize DCP metadata and the extent table to the record's JSON bytes."""
+    items: dict[str, Any] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            items[fqn] = {
+                "kind": "tensor",
+                "dtype": dtype_name(md.properties.dtype),
+                "requires_grad": bool(md.properties.requires_grad),
+                "size": list(md.size),
+                "chunks": [
+                    {"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks
+                ],
+            }
+        elif isinstance(md, BytesStorageMetadata):
+            items[fqn] = {"kind": "bytes"}
+        else:
+            raise CheckpointFormatError(f"cannot record {fqn!r}: unknown metadata {type(md)}")
+    table = [
+        {"fqn": idx.fqn, "chunk": None if idx.offset is None else list(idx.offset), **asdict(ext)}
+        for idx, ext in extents.items()
+    ]
+    sm = metadata.storage_meta
+    record = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "dcp_version": metadata.version,
+        "storage_meta": None
+        if sm is None
+        else {"checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+              "save_id": sm.save_id, "modules": list(sm.modules)},
+        "planner_data": _encode_planner_data(metadata.planner_data),
+        "items": items,
+        "extents": table,
+    }
+    return json.dumps(record, separators=(",", ":")).encode()
+
+
+def _encode_planner_data(planner_data: Any) -> Any:
+    if planner_data is None:
+        return None
+    if not isinstance(planner_data, Mapping):
+        raise CheckpointFormatError(
+            f"planner_data of type {type(planner_data).__name__} cannot be stored as JSON; "
+            "dcp_plus records only DefaultSavePlanner's flatten mapping"
+        )
+    return {k: list(v) for k, v in planner_data.items()}
+
+
+class _Parser:
+    """Field access that names the field and the file in every error."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, field: str, problem: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.source}: field {field!r}: {problem}")
+
+    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+        field = f"{where}.{key}" if where else key
+        if not isinstance(obj, dict):
+            raise self.fail(where or "<root>", "expected a JSON object")
+        if key not in obj:
+            raise self.fail(field, "missing")
+        value = obj[key]
+        # bool is an int subclass; never accept it where a number is meant
+        if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+            raise self.fail(field, f"expected {kind}, got bool")
+        if not isinstance(value, kind):
+            raise self.fail(field, f"expected {getattr(kind, '__name__', kind)}, got "
+                                   f"{type(value).__name__}")
+        return value
+
+    def ints(self, obj: Any, key: str, where: str) -> list[int]:
+        values = self.get(obj, key, list, where)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise self.fail(f"{where}.{key}", "expected a list of non-negative integers")
+        return values
+
+    def relative_path(self, path: str, field: str) -> str:
+        if not path or "\\" in path or "\x00" in path:
+            raise self.fail(field, f"invalid path {path!r}")
+        norm = posixpath.normpath(path)
+        if posixpath.isabs(path) or norm == ".." or norm.startswith("../") or norm != path:
+            raise self.fail(field, f"path {path!r} escapes the checkpoint directory")
+        return path
+
+
+def decode_record(data: bytes, source: str) -> Metadata:
+    """Parse record bytes into DCP ``Metadata``; ``storage_data`` maps index -> ``Extent``.
+
+    Raises:
+        CheckpointFormatError: naming the field and ``source`` for any deviation.
+    """
+    p = _Parser(source)
+    try:
+        root = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(
+            f"{source}: not a dcp_plus commit record (not UTF-8 JSON: {e})"
+        ) from None
+    if not isinstance(root, dict):
+        raise p.fail("<root>", "expected a JSON object")
+    fmt = p.get(root, "format", str, "")
+    if fmt != FORMAT_NAME:
+        raise p.fail("format", f"unknown format {fmt!r}, expected {FORMAT_NAME!r}")
+    version = p.get(root, "version", int, "")
+    if version != FORMAT_VERSION:
+        raise p.fail("version", f"unsupported version {version}; this reader reads "
+                                f"version {FORMAT_VERSION} (upgrade dcp_plus)")
+
+    sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    for fqn, item in p.get(root, "items", dict, "").items():
+        where = f"items[{fqn!r}]"
+        kind = p.get(item, "kind", str, where)
+        if kind == "bytes":
+            sd_md[fqn] = BytesStorageMetadata()
+        elif kind == "tensor":
+            dname = p.get(item, "dtype", str, where)
+            if dname not in _DTYPES:
+                raise p.fail(f"{where}.dtype", f"unknown dtype {dname!r}")
+            props = TensorProperties(dtype=_DTYPES[dname],
+                                     requires_grad=p.get(item, "requires_grad", bool, where))
+            chunks = []
+            for i, c in enumerate(p.get(item, "chunks", list, where)):
+                cw = f"{where}.chunks[{i}]"
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.ints(c, "offsets", cw)),
+                                                   sizes=torch.Size(p.ints(c, "sizes", cw))))
+            sd_md[fqn] = TensorStorageMetadata(props, torch.Size(p.ints(item, "size", where)),
+                                               chunks)
+        else:
+            raise p.fail(f"{where}.kind", f"unknown kind {kind!r}")
+
+    storage: dict[MetadataIndex, Extent] = {}
+    for i, e in enumerate(p.get(root, "extents", list, "")):
+        where = f"extents[{i}]"
+        fqn = p.get(e, "fqn", str, where)
+        if fqn not in sd_md:
+            raise p.fail(f"{where}.fqn", f"{fqn!r} is not an item of this checkpoint")
+        chunk = p.get(e, "chunk", (list, type(None)), where)
+        if chunk is not None:
+            chunk = p.ints(e, "chunk", where)
+        ext = Extent(
+            file=p.relative_path(p.get(e, "file", str, where), f"{where}.file"),
+            offset=p.get(e, "offset", int, where),
+            length=p.get(e, "length", int, where),
+            raw_length=p.get(e, "raw_length", int, where),
+            codec=p.get(e, "codec", str, where),
+            checksum=p.get(e, "checksum", str, where),
+        )
+        if min(ext.offset, ext.length, ext.raw_length) < 0:
+            raise p.fail(where, "negative offset or length")
+        storage[MetadataIndex(fqn, chunk)] = ext
+
+    planner_data = root.get("planner_data")
+    if planner_data is not None:
+        if not isinstance(planner_data, dict) or not all(
+            isinstance(v, list) and all(isinstance(x, (str, int)) for x in v)
+            for v in planner_data.values()
+        ):
+            raise p.fail("planner_data", "expected an object of key paths")
+        planner_data = {k: tuple(v) for k, v in planner_data.items()}
+    sm = root.get("storage_meta")
+    storage_meta = StorageMeta()
+    if sm is not None:
+        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"),
+                                   save_id=sm.get("save_id"),
+                                   modules=list(sm.get("modules") or []))
+    dcp_version = root.get("dcp_version")
+    return Metadata(state_dict_metadata=sd_md, planner_data=planner_data,
+                    storage_data=storage, storage_meta=storage_meta,
+                    version=dcp_version if isinstance(dcp_version, str) else None)

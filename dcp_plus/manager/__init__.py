@@ -1,0 +1,1 @@
+"""dcp_plus.manager"""

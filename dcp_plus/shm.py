@@ -1,0 +1,139 @@
+"""Named shared-memory slabs, and a registry that maps tensor memory back to them.
+
+A slab is one file in ``/dev/shm`` mapped once. Stagers allocate a few large slabs; writers
+look a tensor's address up in the registry and, when it lives in a slab, hand worker
+processes a ``(slab name, offset, length)`` descriptor instead of copying the bytes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import threading
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+SHM_DIR = "/dev/shm"
+PREFIX = "dcpp-"
+
+
+def _slab_path(name: str) -> str:
+    if "/" in name or not name.startswith(PREFIX):
+        raise ValueError(f"not a dcp_plus slab name: {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+class Slab:
+    """One named shared-memory segment, mapped read-write in this process.
+
+    Args:
+        size: bytes to allocate (creates a new segment) — or
+        name: attach to an existing segment created by another process.
+    """
+
+    def __init__(self, size: int | None = None, *, name: str | None = None) -> None:
+        if (size is None) == (name is None):
+            raise ValueError("Slab() takes exactly one of size= or name=")
+        self.owner = name is None
+        self.name = name or f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        path = _slab_path(self.name)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.owner else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if self.owner:
+                assert size is not None
+                os.ftruncate(fd, max(size, 1))
+            self.size = os.fstat(fd).st_size if size is None else size
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, max(self.size, 1))
+        except BaseException:
+            os.close(fd)
+            if self.owner:
+                os.unlink(path)
+            raise
+        os.close(fd)
+        self.address = torch.frombuffer(self._mmap, dtype=torch.uint8).data_ptr()
+
+    @property
+    def buffer(self) -> memoryview:
+        """A writable view of the whole slab."""
+        if self._mmap is None:
+            raise ValueError(f"slab {self.name} is closed")
+        return memoryview(self._mmap)[: self.size]
+
+    def tensor(self) -> torch.Tensor:
+        """A uint8 tensor aliasing the whole slab."""
+        if self._mmap is None:
+            raise ValueError(f"slab {self.name} is closed")
+        return torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.size)
+
+    def is_unlinked(self) -> bool:
+        """True when the segment's name is gone (its creator freed it)."""
+        return not os.path.exists(os.path.join(SHM_DIR, self.name))
+
+    def close(self) -> None:
+        """Unmap; the creator also unlinks the segment. Idempotent.
+
+        Raises BufferError while tensors or views created from the slab are still alive.
+        """
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+        if self.owner:
+            self.owner = False
+            try:
+                os.unlink(_slab_path(self.name))
+            except FileNotFoundError:
+                pass
+
+
+@dataclass(frozen=True)
+class SlabRef:
+    """Where some bytes live: a slab name and a byte range inside it."""
+
+    slab: str
+    offset: int
+    length: int
+
+
+class SlabRegistry:
+    """Thread-safe map from address ranges to the slabs that hold them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._slabs: list[Slab] = []
+
+    def register(self, slab: Slab) -> None:
+        with self._lock:
+            i = bisect.bisect_left(self._starts, slab.address)
+            self._starts.insert(i, slab.address)
+            self._slabs.insert(i, slab)
+
+    def unregister(self, slab: Slab) -> None:
+        with self._lock:
+            for i, s in enumerate(self._slabs):
+                if s is slab:
+                    del self._starts[i], self._slabs[i]
+                    return
+
+    def lookup(self, tensor: torch.Tensor) -> SlabRef | None:
+        """The slab range holding a contiguous CPU tensor's bytes, or None."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        ptr = tensor.data_ptr()
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            if i < 0:
+                return None
+            slab = self._slabs[i]
+        if ptr + nbytes > slab.address + slab.size:
+            return None
+        return SlabRef(slab.name, ptr - slab.address, nbytes)
+
+
+registry = SlabRegistry()
+"""The process-wide registry that stagers fill and writers consult."""
