@@ -1,24 +1,51 @@
-"""dcp_plus: fast, safe checkpointing plugins for torch.distributed.checkpoint."""
+"""dcp_plus: fast, safe checkpointing plugins for torch.distributed.checkpoint.
 
-from dcp_plus.errors import (
-    CheckpointExistsError,
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    DcpPlusError,
-    UnsafeCheckpointError,
-    UnsafeValueError,
-    WorkerError,
-)
+Public names are imported on first use: writer worker processes import this package and
+must start without importing torch.
+"""
 
-__all__ = [
-    "CheckpointExistsError",
-    "CheckpointFormatError",
-    "CheckpointNotFoundError",
-    "CorruptCheckpointError",
-    "DcpPlusError",
-    "UnsafeCheckpointError",
-    "UnsafeValueError",
-    "WorkerError",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LocalWriter": "dcp_plus.writers",
+    "LocalReader": "dcp_plus.readers",
+    "SafeLoadPlanner": "dcp_plus.planners",
+    "CheckpointExistsError": "dcp_plus.errors",
+    "CheckpointFormatError": "dcp_plus.errors",
+    "CheckpointNotFoundError": "dcp_plus.errors",
+    "CorruptCheckpointError": "dcp_plus.errors",
+    "DcpPlusError": "dcp_plus.errors",
+    "UnsafeCheckpointError": "dcp_plus.errors",
+    "UnsafeValueError": "dcp_plus.errors",
+    "WorkerError": "dcp_plus.errors",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from dcp_plus.errors import (
+        CheckpointExistsError,
+        CheckpointFormatError,
+        CheckpointNotFoundError,
+        CorruptCheckpointError,
+        DcpPlusError,
+        UnsafeCheckpointError,
+        UnsafeValueError,
+        WorkerError,
+    )
+    from dcp_plus.planners import SafeLoadPlanner
+    from dcp_plus.readers import LocalReader
+    from dcp_plus.writers import LocalWriter
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dcp_plus' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

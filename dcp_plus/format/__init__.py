@@ -1,29 +1,46 @@
-"""The dcp_plus on-disk format, version 1: commit record, extents, checksums, codecs."""
+"""The dcp_plus on-disk format, version 1: commit record, extents, checksums, codecs.
 
-from dcp_plus.format.checksum import checksum_bytes, new_hasher
-from dcp_plus.format.codecs import IDENTITY, get_codec
-from dcp_plus.format.layout import ALIGNMENT, align_up, data_file_name
-from dcp_plus.format.record import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    RECORD_NAME,
-    Extent,
-    decode_record,
-    encode_record,
-)
+Submodules are imported on first use so that writer worker processes (which import only
+``fileio`` and ``checksum``) start without importing torch.
+"""
 
-__all__ = [
-    "ALIGNMENT",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "IDENTITY",
-    "RECORD_NAME",
-    "Extent",
-    "align_up",
-    "checksum_bytes",
-    "data_file_name",
-    "decode_record",
-    "encode_record",
-    "get_codec",
-    "new_hasher",
-]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "ALIGNMENT": "layout",
+    "align_up": "layout",
+    "data_file_name": "layout",
+    "checksum_bytes": "checksum",
+    "new_hasher": "checksum",
+    "IDENTITY": "codecs",
+    "get_codec": "codecs",
+    "FORMAT_NAME": "record",
+    "FORMAT_VERSION": "record",
+    "RECORD_NAME": "record",
+    "Extent": "record",
+    "decode_record": "record",
+    "encode_record": "record",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from dcp_plus.format.checksum import checksum_bytes, new_hasher
+    from dcp_plus.format.codecs import IDENTITY, get_codec
+    from dcp_plus.format.layout import ALIGNMENT, align_up, data_file_name
+    from dcp_plus.format.record import (
+        FORMAT_NAME,
+        FORMAT_VERSION,
+        RECORD_NAME,
+        Extent,
+        decode_record,
+        encode_record,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dcp_plus.format' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"dcp_plus.format.{_EXPORTS[name]}"), name)

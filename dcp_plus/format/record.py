@@ -186,21 +186,21 @@ def decode_record(data: bytes, source: str) -> Metadata:
             raise p.fail(f"{where}.kind", f"unknown kind {kind!r}")
 
     storage: dict[MetadataIndex, Extent] = {}
-    for i, e in enumerate(p.get(root, "extents", list, "")):
+    for i, entry in enumerate(p.get(root, "extents", list, "")):
         where = f"extents[{i}]"
-        fqn = p.get(e, "fqn", str, where)
+        fqn = p.get(entry, "fqn", str, where)
         if fqn not in sd_md:
             raise p.fail(f"{where}.fqn", f"{fqn!r} is not an item of this checkpoint")
-        chunk = p.get(e, "chunk", (list, type(None)), where)
+        chunk = p.get(entry, "chunk", (list, type(None)), where)
         if chunk is not None:
-            chunk = p.ints(e, "chunk", where)
+            chunk = p.ints(entry, "chunk", where)
         ext = Extent(
-            file=p.relative_path(p.get(e, "file", str, where), f"{where}.file"),
-            offset=p.get(e, "offset", int, where),
-            length=p.get(e, "length", int, where),
-            raw_length=p.get(e, "raw_length", int, where),
-            codec=p.get(e, "codec", str, where),
-            checksum=p.get(e, "checksum", str, where),
+            file=p.relative_path(p.get(entry, "file", str, where), f"{where}.file"),
+            offset=p.get(entry, "offset", int, where),
+            length=p.get(entry, "length", int, where),
+            raw_length=p.get(entry, "raw_length", int, where),
+            codec=p.get(entry, "codec", str, where),
+            checksum=p.get(entry, "checksum", str, where),
         )
         if min(ext.offset, ext.length, ext.raw_length) < 0:
             raise p.fail(where, "negative offset or length")

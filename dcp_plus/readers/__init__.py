@@ -1,1 +1,5 @@
-"""dcp_plus.readers"""
+"""Storage readers (also read stock DCP checkpoints when pickle is explicitly allowed)."""
+
+from dcp_plus.readers.local import LocalReader
+
+__all__ = ["LocalReader"]

@@ -1,1 +1,6 @@
-"""dcp_plus.writers"""
+"""Storage writers and their shared worker-process pool."""
+
+from dcp_plus.writers.local import LocalWriter
+from dcp_plus.writers.pool import shutdown_pool
+
+__all__ = ["LocalWriter", "shutdown_pool"]

@@ -1,0 +1,212 @@
+"""LocalWriter: a DCP ``StorageWriter`` for a local (or mounted) directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from dcp_plus._worker import WriteJob
+from dcp_plus.errors import CheckpointExistsError
+from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all
+from dcp_plus.format.layout import DATA_SUFFIX
+from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
+from dcp_plus.writers.items import resolve_items
+from dcp_plus.writers.layout import FilePlan, plan_files
+from dcp_plus.writers.pool import shared_pool, shutdown_pool
+
+log = logging.getLogger(__name__)
+
+_DATA_FILE = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
+_SPLIT_BYTES = 64 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankInfo:
+    rank: int
+    save_id: str
+
+
+def new_save_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def is_url(path: str | os.PathLike) -> bool:
+    return "://" in str(path)
+
+
+class LocalWriter(StorageWriter):
+    """Checksummed, durable, atomically committed checkpoints in a local directory.
+
+    Tensors that live in an :class:`~dcp_plus.stagers.ArenaStager` slab are written by the
+    shared worker-process pool from ``(slab, offset, length)`` descriptors, without copying;
+    other data is written by ``threads`` threads of this process straight from tensor memory.
+
+    Args:
+        path: checkpoint directory (created if missing).
+        overwrite: allow replacing a committed checkpoint; the old one stays loadable until
+            the new commit record is in place, then its data files are removed.
+        workers: size of the shared writer-process pool.
+        threads: parallel files for data outside slabs.
+        fsync: fsync data files and directories (turn off only for throwaway checkpoints).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, workers: int = 2,
+                 threads: int = 2, fsync: bool = True) -> None:
+        super().__init__()
+        self.path = os.fspath(path)
+        self.overwrite = overwrite
+        self.workers = workers
+        self.threads = threads
+        self.fsync = fsync
+        self.save_id = new_save_id()
+        self.rank = 0
+        self.is_coordinator = True
+        self._io: ThreadPoolExecutor | None = None
+
+    # DCP pickles writers into its PROCESS-mode daemon: drop the thread pool.
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_io"] = None
+        return state
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = new_save_id()
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return not is_url(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        self.save_id = new_save_id()
+        os.makedirs(self.path, exist_ok=True)
+        if not self.overwrite and os.path.exists(os.path.join(self.path, RECORD_NAME)):
+            raise CheckpointExistsError(
+                f"{self.path} already holds a committed checkpoint; pass overwrite=True to "
+                "replace it (the old one stays loadable until the new one commits) or save "
+                "to a new directory"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = new_save_id()
+        return [dataclasses.replace(p, storage_data=_RankInfo(i, save_id))
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info = plan.storage_data
+        rank, save_id = (info.rank, info.save_id) if isinstance(info, _RankInfo) else (
+            self.rank, self.save_id)
+        items = resolve_items(plan, planner)
+        slab_files, local_files = plan_files(items, rank, save_id, self.threads)
+        for fp in slab_files + local_files:
+            fd = os.open(os.path.join(self.path, fp.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+                         0o644)
+            os.close(fd)
+        sums: dict[int, str] = {}
+        pending = []
+        if local_files:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-write")
+            pending = [self._io.submit(self._write_local, fp) for fp in local_files]
+        if slab_files:
+            jobs, order = self._slab_jobs(slab_files)
+            for ids, job_sums in zip(order, shared_pool(self.workers).run(jobs), strict=True):
+                sums.update(zip(ids, job_sums, strict=True))
+        for f in pending:
+            sums.update(f.result())
+        if self.fsync:
+            fsync_dir(self.path)
+        results = []
+        for fp in slab_files + local_files:
+            for r, off in fp.placed:
+                n = len(r.data)
+                ext = Extent(fp.name, off, n, n, "identity", sums[id(r)])
+                results.append(WriteResult(index=r.item.index, size_in_bytes=n, storage_data=ext))
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _slab_jobs(self, files: list[FilePlan]) -> tuple[list[WriteJob], list[list[int]]]:
+        """One job per file, large files split into contiguous parts for parallel workers."""
+        jobs, order = [], []
+        for fp in files:
+            parts = max(1, min(self.workers, fp.nbytes // _SPLIT_BYTES))
+            target = fp.nbytes / parts
+            bounds = [0]
+            acc = 0
+            for i, (r, _) in enumerate(fp.placed):
+                acc += len(r.data)
+                if acc >= target * len(bounds) and len(bounds) < parts:
+                    bounds.append(i + 1)
+            bounds.append(len(fp.placed))
+            path = os.path.join(self.path, fp.name)
+            for a, b in zip(bounds, bounds[1:], strict=False):
+                if a == b:
+                    continue
+                part = fp.placed[a:b]
+                ranges = [(r.slab.slab, r.slab.offset, off, r.slab.length)
+                          for r, off in part if r.slab]
+                jobs.append(WriteJob(path, ranges, self.fsync))
+                order.append([id(r) for r, _ in part])
+        return jobs, order
+
+    def _write_local(self, fp: FilePlan) -> dict[int, str]:
+        sums = {}
+        fd = os.open(os.path.join(self.path, fp.name), os.O_WRONLY)
+        try:
+            for r, off in fp.placed:
+                sums[id(r)] = checksum_bytes(r.data)
+                pwrite_all(fd, r.data, off)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return sums
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        extents: dict[MetadataIndex, Extent] = {}
+        for rank_results in results:
+            for wr in rank_results:
+                extents[wr.index] = wr.storage_data
+        metadata.storage_data = extents
+        record = encode_record(metadata, extents)
+        atomic_write(os.path.join(self.path, RECORD_NAME), record, self.save_id)
+        if self.overwrite:
+            self._remove_unreferenced({e.file for e in extents.values()})
+
+    def _remove_unreferenced(self, keep: set[str]) -> None:
+        for name in os.listdir(self.path):
+            if _DATA_FILE.match(name) and name not in keep:
+                os.unlink(os.path.join(self.path, name))
+                log.info("removed %s, replaced by the new commit", name)
+
+    def close(self) -> None:
+        """Join this writer's threads and stop the shared worker pool (restarts on next use)."""
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+            self._io = None
+        shutdown_pool()
