@@ -1,0 +1,112 @@
+"""Summaries of a committed checkpoint, and full re-verification of its checksums."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_plus.format.fileio import preadinto_all
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name
+from dcp_plus.readers.extents import resolve_data_path, verify_checksum
+from dcp_plus.readers.local import describe, read_record
+
+
+def load_record(path: str) -> Metadata:
+    """Parse the commit record at ``path``; stock (pickled) records are refused."""
+    data = read_record(path)
+    if data[:1] != b"{":
+        raise UnsafeCheckpointError(
+            f"{path}: {RECORD_NAME} is not a dcp_plus record (a stock DCP pickle?); "
+            "dcp-plus never unpickles records"
+        )
+    return decode_record(data, os.path.join(path, RECORD_NAME))
+
+
+def _extents(md: Metadata) -> dict[MetadataIndex, Extent]:
+    return cast(dict[MetadataIndex, Extent], md.storage_data)
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """Per-item rows (name, dtype, shape, bytes, codec, file) and totals, JSON-ready."""
+    md = load_record(path)
+    rows = []
+    for index, ext in sorted(_extents(md).items(), key=lambda kv: (kv[0].fqn, kv[1].offset)):
+        item = md.state_dict_metadata[index.fqn]
+        row: dict[str, Any] = {"name": index.fqn, "chunk": None if index.offset is None
+                               else list(index.offset), "bytes": ext.raw_length,
+                               "stored_bytes": ext.length, "codec": ext.codec, "file": ext.file}
+        if isinstance(item, TensorStorageMetadata):
+            row.update(kind="tensor", dtype=dtype_name(item.properties.dtype),
+                       shape=list(item.size))
+        else:
+            row.update(kind="bytes", dtype=None, shape=None)
+        rows.append(row)
+    raw = sum(r["bytes"] for r in rows)
+    stored = sum(r["stored_bytes"] for r in rows)
+    n_tensors = sum(isinstance(v, TensorStorageMetadata) for v in md.state_dict_metadata.values())
+    return {
+        "path": path,
+        "save_id": md.storage_meta.save_id if md.storage_meta else None,
+        "items": rows,
+        "totals": {"tensors": n_tensors, "items": len(md.state_dict_metadata),
+                   "extents": len(rows), "files": len({r["file"] for r in rows}),
+                   "bytes": raw, "stored_bytes": stored,
+                   "ratio": raw / stored if stored else 1.0},
+    }
+
+
+@dataclass
+class VerifyReport:
+    """Outcome of :func:`verify`: bytes checked and one message per problem."""
+
+    path: str
+    extents: int = 0
+    bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Re-read and re-checksum every extent; problems name the file and the tensor."""
+    md = load_record(path)
+    report = VerifyReport(path)
+    by_file: dict[str, list[tuple[MetadataIndex, Extent]]] = {}
+    for index, ext in _extents(md).items():
+        by_file.setdefault(ext.file, []).append((index, ext))
+    for name, entries in sorted(by_file.items()):
+        try:
+            full = resolve_data_path(path, name)
+            fd = os.open(full, os.O_RDONLY)
+        except (CheckpointFormatError, OSError) as e:
+            report.problems.append(f"{os.path.join(path, name)}: {e} (holds "
+                                   f"{', '.join(describe(i) for i, _ in entries[:3])}...)")
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            for index, ext in sorted(entries, key=lambda e: e[1].offset):
+                report.extents += 1
+                if ext.length and ext.offset + ext.length > size:
+                    report.problems.append(
+                        f"{full}: {describe(index)} (bytes {ext.offset}..{ext.offset + ext.length})"
+                        f" runs past the end of the file ({size} bytes): truncated")
+                    continue
+                buf = memoryview(bytearray(ext.length))
+                preadinto_all(fd, buf, ext.offset, full)
+                try:
+                    verify_checksum(buf, ext, describe(index), path)
+                except (CorruptCheckpointError, CheckpointFormatError) as e:
+                    report.problems.append(str(e))
+                report.bytes += ext.length
+                if progress is not None:
+                    progress(ext.length)
+        finally:
+            os.close(fd)
+    return report
