@@ -9,6 +9,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from tqdm import tqdm
 
 from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers import LocalReader
@@ -53,7 +55,8 @@ def build(seed: int = 0) -> tuple[TinyLM, torch.optim.Optimizer]:
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int,
-               before_update: Callable[[], None] = lambda: None) -> float:
+               snapshot: Future[Any] | None = None) -> float:
+    """One optimizer step; waits for ``snapshot`` (a staging future) before the update."""
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(0, 512, (8, 64), generator=g)
     logits = model(tokens[:, :-1])
@@ -61,7 +64,8 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int,
                                        tokens[:, 1:].reshape(-1))
     opt.zero_grad()
     loss.backward()
-    before_update()  # the consistency rule: the snapshot must finish before weights change
+    if snapshot is not None:  # the consistency rule: the snapshot finishes before weights change
+        snapshot.result()
     opt.step()
     return loss.item()
 
@@ -96,15 +100,10 @@ def run(root: str = "./checkpoints", steps: int = 20, every: int = 5,
     expected: dict[str, Any] = {}
     pending: Any = None
     staged: Any = None
-    try:
-        from tqdm import tqdm
-        bar = tqdm(range(1, steps + 1), desc="training", unit="step", leave=False)
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        bar = range(1, steps + 1)
+    bar = tqdm(range(1, steps + 1), desc="training", unit="step", leave=False)
     train_t0 = time.perf_counter()
     for step in bar:
-        wait = staged.result if staged is not None else (lambda: None)
-        train_step(model, opt, step, before_update=lambda w=wait: w())
+        train_step(model, opt, step, snapshot=staged)
         staged = None
         if step % every == 0:
             if pending is not None:
