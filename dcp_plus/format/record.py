@@ -175,13 +175,18 @@ def decode_record(data: bytes, source: str) -> Metadata:
                 raise p.fail(f"{where}.dtype", f"unknown dtype {dname!r}")
             props = TensorProperties(dtype=_DTYPES[dname],
                                      requires_grad=p.get(item, "requires_grad", bool, where))
+            size = p.ints(item, "size", where)
             chunks = []
             for i, c in enumerate(p.get(item, "chunks", list, where)):
                 cw = f"{where}.chunks[{i}]"
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(p.ints(c, "offsets", cw)),
-                                                   sizes=torch.Size(p.ints(c, "sizes", cw))))
-            sd_md[fqn] = TensorStorageMetadata(props, torch.Size(p.ints(item, "size", where)),
-                                               chunks)
+                offsets, sizes = p.ints(c, "offsets", cw), p.ints(c, "sizes", cw)
+                if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                        o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)):
+                    raise p.fail(cw, f"chunk at {offsets} of size {sizes} does not fit in "
+                                     f"a tensor of size {size}")
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                   sizes=torch.Size(sizes)))
+            sd_md[fqn] = TensorStorageMetadata(props, torch.Size(size), chunks)
         else:
             raise p.fail(f"{where}.kind", f"unknown kind {kind!r}")
 
@@ -217,10 +222,19 @@ def decode_record(data: bytes, source: str) -> Metadata:
     sm = root.get("storage_meta")
     storage_meta = StorageMeta()
     if sm is not None:
-        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"),
-                                   save_id=sm.get("save_id"),
-                                   modules=list(sm.get("modules") or []))
+        if not isinstance(sm, dict):
+            raise p.fail("storage_meta", f"expected an object or null, got {type(sm).__name__}")
+        modules = sm.get("modules", [])
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise p.fail("storage_meta.modules", "expected a list of strings")
+        storage_meta = StorageMeta(
+            checkpoint_id=p.get(sm, "checkpoint_id", (str, type(None)), "storage_meta")
+            if "checkpoint_id" in sm else None,
+            save_id=p.get(sm, "save_id", (str, type(None)), "storage_meta")
+            if "save_id" in sm else None,
+            modules=modules)
     dcp_version = root.get("dcp_version")
+    if dcp_version is not None and not isinstance(dcp_version, str):
+        raise p.fail("dcp_version", f"expected a string or null, got {type(dcp_version).__name__}")
     return Metadata(state_dict_metadata=sd_md, planner_data=planner_data,
-                    storage_data=storage, storage_meta=storage_meta,
-                    version=dcp_version if isinstance(dcp_version, str) else None)
+                    storage_data=storage, storage_meta=storage_meta, version=dcp_version)
