@@ -1,0 +1,85 @@
+"""Saving where a committed checkpoint already is: refused, or replaced only on commit."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dcp_plus import LocalWriter
+from dcp_plus.errors import CheckpointExistsError
+from tests.conftest import (
+    assert_bit_exact,
+    build_state_dict,
+    clone_state,
+    data_files,
+    load,
+    load_target,
+    record_path,
+    referenced_files,
+    save,
+    slab_state_dict,
+)
+
+
+def _listing(path: os.PathLike) -> dict[str, bytes]:
+    return {p: open(os.path.join(path, p), "rb").read() for p in os.listdir(path)}
+
+
+def test_save_into_a_committed_checkpoint_is_refused(tmp_path):
+    v1 = build_state_dict(seed=1)
+    save(v1, tmp_path / "ckpt")
+    before = _listing(tmp_path / "ckpt")
+
+    with pytest.raises(CheckpointException) as info:
+        save(build_state_dict(seed=2), tmp_path / "ckpt")
+
+    assert "CheckpointExistsError" in str(info.value) and "overwrite=True" in str(info.value)
+    assert _listing(tmp_path / "ckpt") == before
+    assert_bit_exact(load(load_target(v1), tmp_path / "ckpt"), v1)
+    with pytest.raises(CheckpointExistsError, match=str(tmp_path / "ckpt")):
+        LocalWriter(tmp_path / "ckpt").set_up_storage_writer(True)
+
+
+def test_overwrite_commits_the_new_checkpoint_and_then_removes_old_data_files(tmp_path, slab):
+    sd, _ = slab_state_dict(slab)
+    v1 = {**build_state_dict(seed=1), **sd}
+    save(v1, tmp_path / "ckpt")
+    old_files = data_files(tmp_path / "ckpt")
+    v2 = build_state_dict(seed=2)
+    expected = clone_state(v2)
+
+    save(v2, tmp_path / "ckpt", overwrite=True)
+
+    assert_bit_exact(load(load_target(expected), tmp_path / "ckpt"), expected)
+    assert not old_files & data_files(tmp_path / "ckpt")
+    assert data_files(tmp_path / "ckpt") == referenced_files(tmp_path / "ckpt")
+
+
+def test_failed_overwrite_leaves_the_old_checkpoint_loadable(tmp_path):
+    v1 = build_state_dict(seed=1)
+    save(v1, tmp_path / "ckpt")
+    record = record_path(tmp_path / "ckpt").read_bytes()
+    v2 = {**build_state_dict(seed=2), "bad": object()}  # refused while writing
+
+    with pytest.raises(CheckpointException, match="UnsafeValueError"):
+        save(v2, tmp_path / "ckpt", overwrite=True)
+
+    assert record_path(tmp_path / "ckpt").read_bytes() == record
+    assert_bit_exact(load(load_target(v1), tmp_path / "ckpt"), v1)
+
+
+def test_leftovers_of_an_uncommitted_save_neither_block_nor_survive_an_overwrite(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "__0_0.deadbeefdeadbeef.dcpp").write_bytes(b"partial")  # a crashed save's file
+    v1 = {"w": torch.arange(10.0)}
+
+    save(v1, ckpt)  # no commit record there: not an existing checkpoint
+    assert_bit_exact(load(load_target(v1), ckpt), v1)
+    save({"w": torch.ones(10)}, ckpt, overwrite=True)
+
+    assert "__0_0.deadbeefdeadbeef.dcpp" not in data_files(ckpt)
+    assert data_files(ckpt) == referenced_files(ckpt)

@@ -1,0 +1,158 @@
+"""Invariant 1: what DCP saves through LocalWriter loads back through LocalReader bit-exact."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+from dcp_plus import LocalReader, LocalWriter
+from tests.conftest import (
+    assert_bit_exact,
+    carve,
+    clone_state,
+    data_files,
+    fill_pattern,
+    free_port,
+    load,
+    load_target,
+    read_record_json,
+    registered_slab,
+    save,
+    slab_state_dict,
+    worker_pids,
+)
+
+
+@pytest.fixture(scope="module")
+def gloo_single_rank() -> Iterator[None]:
+    """A 1-rank gloo group: ``async_save`` with the PROCESS executor needs an initialized one."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_save_then_load_is_bit_exact_for_every_kind_of_value(tmp_path, state_dict, threads):
+    expected = clone_state(state_dict)
+    save(state_dict, tmp_path / "ckpt", threads=threads)
+
+    loaded = load(load_target(state_dict), tmp_path / "ckpt")
+
+    assert_bit_exact(loaded, expected)
+    assert read_record_json(tmp_path / "ckpt")["format"] == "dcp_plus"
+
+
+def test_load_without_verification_is_bit_exact(tmp_path, state_dict):
+    save(state_dict, tmp_path / "ckpt")
+
+    loaded = load(load_target(state_dict), tmp_path / "ckpt", verify=False, threads=1)
+
+    assert_bit_exact(loaded, state_dict)
+
+
+def test_loading_a_subset_of_keys_reads_only_those(tmp_path, state_dict):
+    save(state_dict, tmp_path / "ckpt")
+    subset = {"dtypes": {"bfloat16": torch.zeros(3, 5, dtype=torch.bfloat16)},
+              "transposed": torch.zeros(6, 8).t(), "step": 0}
+
+    loaded = load(subset, tmp_path / "ckpt")
+
+    assert_bit_exact(loaded, {"dtypes": {"bfloat16": state_dict["dtypes"]["bfloat16"]},
+                              "transposed": state_dict["transposed"], "step": 1234})
+
+
+@pytest.mark.parametrize("executor", [AsyncCheckpointerType.THREAD,
+                                      AsyncCheckpointerType.PROCESS], ids=lambda e: e.value)
+def test_async_save_is_bit_exact_with_the_state_at_the_call(tmp_path, state_dict, executor,
+                                                            gloo_single_rank):
+    expected = clone_state(state_dict)
+
+    result = dcp.async_save(state_dict, storage_writer=LocalWriter(tmp_path / "ckpt"),
+                            async_checkpointer_type=executor)
+    # training continues while the upload runs: the checkpoint must not see this
+    with torch.no_grad():
+        state_dict["dtypes"]["float32"].add_(1.0)
+        state_dict["shared"]["whole"].zero_()
+    upload = getattr(result, "upload_completion", result)
+    upload.result(timeout=120)
+
+    loaded = load(load_target(expected), tmp_path / "ckpt")
+    assert_bit_exact(loaded, expected)
+
+
+def test_slab_tensors_are_written_by_worker_processes_as_the_slab_image(tmp_path, slab):
+    sd, offsets = slab_state_dict(slab)
+    sd_plain = {**sd, "plain": torch.arange(10, dtype=torch.int16)}
+    expected = clone_state(sd_plain)
+    assert worker_pids() == []
+
+    save(sd_plain, tmp_path / "ckpt")
+
+    pids = worker_pids()
+    assert len(pids) == 2 and os.getpid() not in pids, pids
+    extents = {e["fqn"]: e for e in read_record_json(tmp_path / "ckpt")["extents"]}
+    slab_file = extents["w_f32"]["file"]
+    assert extents["plain"]["file"] != slab_file
+    image = (tmp_path / "ckpt" / slab_file).read_bytes()
+    whole = bytes(slab.buffer)
+    for name, off in offsets.items():
+        ext = extents[name]
+        assert ext["file"] == slab_file, name
+        # the first slab tensor starts at offset 0, so file offsets equal slab offsets
+        assert ext["offset"] == off, name
+        assert image[off : off + ext["length"]] == whole[off : off + ext["length"]], name
+    del image, whole
+
+    loaded = load(load_target(expected), tmp_path / "ckpt")
+    assert_bit_exact(loaded, expected)
+
+
+def test_workers_are_reused_by_later_saves(tmp_path, slab):
+    sd, _ = slab_state_dict(slab)
+    save(sd, tmp_path / "a")
+    first = worker_pids()
+
+    save(sd, tmp_path / "b")
+
+    assert worker_pids() == first and len(first) == 2
+    assert_bit_exact(load(load_target(sd), tmp_path / "b"), clone_state(sd))
+
+
+def test_large_slab_file_split_across_workers_round_trips(tmp_path):
+    # > 2 x 64 MiB: the slab file is split into two parts written by different workers,
+    # and the reader batches it in 64 MiB pieces
+    with registered_slab(136 << 20) as big:
+        st = big.tensor()
+        fill_pattern(st, seed=5)
+        sd = carve(st, "t", pieces=8)  # 17 MiB each, dtypes rotate
+        del st
+        save(sd, tmp_path / "ckpt", fsync=False)
+
+        (name,) = data_files(tmp_path / "ckpt")
+        assert os.path.getsize(tmp_path / "ckpt" / name) == 136 << 20
+        loaded = load({k: torch.empty_like(v) for k, v in sd.items()}, tmp_path / "ckpt")
+        assert_bit_exact(loaded, sd)
+        del sd, loaded
+
+
+def test_commit_record_is_json_that_rebuilds_dcp_metadata(tmp_path, state_dict):
+    save(state_dict, tmp_path / "ckpt")
+
+    raw = (tmp_path / "ckpt" / ".metadata").read_bytes()
+
+    assert raw[:1] == b"{" and b"\x80" not in raw[:2]
+    md = LocalReader(tmp_path / "ckpt").read_metadata()
+    assert md.state_dict_metadata["dtypes.bfloat16"].properties.dtype == torch.bfloat16
+    assert md.state_dict_metadata["param"].properties.requires_grad is True
