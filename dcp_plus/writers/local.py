@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_plus._worker import WriteJob
-from dcp_plus.errors import CheckpointExistsError
+from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all
 from dcp_plus.format.layout import DATA_SUFFIX
@@ -97,6 +97,12 @@ class LocalWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            # every rank would run finish() and commit a record holding only its own items
+            raise CheckpointFormatError(
+                f"{self.path}: LocalWriter needs use_collectives=True: the coordinator commits "
+                "one record of every rank's data. For a single-process save use no_dist=True"
+            )
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.save_id = new_save_id()
