@@ -10,6 +10,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -119,6 +120,7 @@ class LocalWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save_id = new_save_id()
+        self.save_id = save_id  # the coordinator records the id its data files carry
         return [dataclasses.replace(p, storage_data=_RankInfo(i, save_id))
                 for i, p in enumerate(plans)]
 
@@ -199,6 +201,8 @@ class LocalWriter(StorageWriter):
             for wr in rank_results:
                 extents[wr.index] = wr.storage_data
         metadata.storage_data = extents
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = CURRENT_DCP_VERSION
         record = encode_record(metadata, extents)
         atomic_write(os.path.join(self.path, RECORD_NAME), record, self.save_id)
         if self.overwrite:
