@@ -6,6 +6,7 @@ The functions without a ``test_`` prefix are cases that run inside those worlds.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,42 @@ def load_swapped_layout(rank: int, world: int, path: str) -> dict[str, Any]:
     return _load_and_check(rank, world, path, swap=True)
 
 
+def save_without_collectives_is_refused(rank: int, world: int, path: str) -> bool:
+    """Every rank would commit a record of its own items only: LocalWriter refuses."""
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_plus import LocalWriter
+    from dcp_plus.errors import CheckpointFormatError
+
+    try:
+        dcp.save({f"rank{rank}": torch.ones(2)}, storage_writer=LocalWriter(path),
+                 use_collectives=False)
+    except CheckpointFormatError as e:
+        assert "use_collectives=True" in str(e)
+    else:
+        raise AssertionError("save with use_collectives=False was accepted")
+    return (Path(path) / ".metadata").exists()
+
+
+def overwrite_sharded(rank: int, world: int, path: str) -> list[str]:
+    """Two sharded saves into one directory: the second replaces the first on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dcp_plus import LocalReader, LocalWriter
+    from tests.conftest import assert_bit_exact
+
+    mesh = _mesh(world)
+    v1, v2 = torch.arange(40.0).reshape(8, 5), -torch.arange(40.0).reshape(8, 5)
+    dcp.save({"w": distribute_tensor(v1, mesh, [Shard(0)])}, storage_writer=LocalWriter(path))
+    dcp.save({"w": distribute_tensor(v2, mesh, [Shard(0)])},
+             storage_writer=LocalWriter(path, overwrite=True))
+    target = {"w": distribute_tensor(torch.zeros(8, 5), mesh, [Shard(0)])}
+    dcp.load(target, storage_reader=LocalReader(path))
+    assert_bit_exact(target["w"].to_local(), _expected_local(v2, 0, rank, world), "w")
+    return sorted(p.name for p in Path(path).glob("__*.dcpp"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Tests
 
@@ -171,13 +208,50 @@ def test_four_rank_checkpoint_reshards_across_dims_at_four_ranks(world4):
     assert [v["shape"] for v in values] == [[10, 2], [10, 2], [10, 2], [10, 0]]
 
 
-def test_four_rank_checkpoint_loads_bit_exact_at_two_ranks(world4, tmp_path):
+@pytest.fixture(scope="module")
+def world2(world4, tmp_path_factory):
+    """A 2-rank world loading the 4-rank checkpoint, plus commit cases."""
     path, results = world4
     assert_case_ok(results, "save_sharded")
+    work = tmp_path_factory.mktemp("world2")
+    return work, run_world(2, [
+        (f"{THIS}:load_same_layout", {"path": path}),
+        (f"{THIS}:load_swapped_layout", {"path": path}),
+        (f"{THIS}:save_without_collectives_is_refused", {"path": str(work / "nocoll")}),
+        (f"{THIS}:overwrite_sharded", {"path": str(work / "overwrite")}),
+    ], work)
 
-    results2 = run_world(2, [(f"{THIS}:load_same_layout", {"path": path}),
-                             (f"{THIS}:load_swapped_layout", {"path": path})], tmp_path)
 
-    assert [v["shape"] for v in assert_case_ok(results2, "load_same_layout")] == [[5, 6], [5, 6]]
-    assert [v["shape"] for v in assert_case_ok(results2, "load_swapped_layout")] == [[10, 3],
-                                                                                    [10, 3]]
+def test_four_rank_checkpoint_loads_bit_exact_at_two_ranks(world2):
+    _, results = world2
+
+    values = assert_case_ok(results, "load_same_layout")
+
+    assert [v["shape"] for v in values] == [[5, 6], [5, 6]]
+
+
+def test_four_rank_checkpoint_reshards_across_dims_at_two_ranks(world2):
+    _, results = world2
+
+    values = assert_case_ok(results, "load_swapped_layout")
+
+    assert [v["shape"] for v in values] == [[10, 3], [10, 3]]
+
+
+def test_multi_rank_save_without_collectives_is_refused_and_commits_nothing(world2):
+    work, results = world2
+
+    values = assert_case_ok(results, "save_without_collectives_is_refused")
+
+    assert values == [False, False]
+    assert not (work / "nocoll" / ".metadata").exists()
+
+
+def test_multi_rank_overwrite_keeps_only_the_new_checkpoints_files(world2):
+    work, results = world2
+
+    listing = assert_case_ok(results, "overwrite_sharded")[0]
+
+    record = json.loads((work / "overwrite" / ".metadata").read_text())
+    assert set(listing) == {e["file"] for e in record["extents"]}
+    assert {name.split("_")[2] for name in listing} == {"0", "1"}  # both ranks' files

@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_plus import LocalReader, LocalWriter
+from dcp_plus.errors import CheckpointFormatError
 from tests.conftest import (
     assert_bit_exact,
     carve,
@@ -156,3 +157,30 @@ def test_commit_record_is_json_that_rebuilds_dcp_metadata(tmp_path, state_dict):
     md = LocalReader(tmp_path / "ckpt").read_metadata()
     assert md.state_dict_metadata["dtypes.bfloat16"].properties.dtype == torch.bfloat16
     assert md.state_dict_metadata["param"].properties.requires_grad is True
+
+
+def test_record_carries_the_save_id_of_its_data_files(tmp_path):
+    writer = LocalWriter(tmp_path / "first")
+    dcp.save({"w": torch.ones(3)}, storage_writer=writer, no_dist=True)
+    # a writer reused for the next checkpoint, redirected by checkpoint_id
+    dcp.save({"w": torch.zeros(3)}, checkpoint_id=tmp_path / "second", storage_writer=writer,
+             no_dist=True)
+
+    for name, value in [("first", 1.0), ("second", 0.0)]:
+        rec = read_record_json(tmp_path / name)
+        save_ids = {f.split(".")[1] for f in data_files(tmp_path / name)}
+        assert save_ids == {rec["storage_meta"]["save_id"]}, (save_ids, rec["storage_meta"])
+        assert rec["storage_meta"]["checkpoint_id"] == str(tmp_path / name)
+        assert isinstance(rec["dcp_version"], str)
+        md = LocalReader(tmp_path / name).read_metadata()
+        assert md.storage_meta.save_id == rec["storage_meta"]["save_id"]
+        assert_bit_exact(load({"w": torch.empty(3)}, tmp_path / name), {"w": torch.full((3,), value)})
+
+
+def test_save_without_collectives_is_refused(tmp_path):
+    # without collectives every rank would commit a record of only its own items
+    with pytest.raises(CheckpointFormatError, match="use_collectives=True"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=LocalWriter(tmp_path / "ckpt"),
+                 no_dist=True, use_collectives=False)
+
+    assert not (tmp_path / "ckpt" / ".metadata").exists()
