@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 from typing import Any, cast
 
 import torch
@@ -18,6 +19,22 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(cast(Any, flat.numpy())).cast("B")
 
 
+_UNPICKLER_REASON = re.compile(r"WeightsUnpickler error:\s*(.*?)(?: Please use|\n|$)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def unsafe_reason(error: Exception) -> str:
+    """The one-line cause of a ``weights_only`` load failure (e.g. which global it refused).
+
+    torch's own message starts with advice to retry with ``weights_only=False`` (and ANSI
+    escapes); that advice is wrong for untrusted checkpoints, so only the cause is kept.
+    """
+    text = str(error)
+    m = _UNPICKLER_REASON.search(text)
+    reason = m.group(1) if m else (text.splitlines()[0] if text else "")
+    return f"{type(error).__name__}: {_ANSI.sub('', reason).strip()}"
+
+
 def check_loads_safely(fqn: str, data: bytes) -> None:
     """Refuse a serialized value that ``torch.load(weights_only=True)`` would reject."""
     try:
@@ -25,7 +42,6 @@ def check_loads_safely(fqn: str, data: bytes) -> None:
     except Exception as e:
         raise UnsafeValueError(
             f"value {fqn!r} does not load with torch.load(weights_only=True) "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); dcp_plus "
-            "refuses to store or unpickle it. Use tensors, numbers, strings, or lists/dicts "
-            "of them"
+            f"({unsafe_reason(e)}); dcp_plus refuses to store or unpickle it. Use tensors, "
+            "numbers, strings, or lists/dicts of them"
         ) from None

@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_plus.errors import UnsafeCheckpointError
+from dcp_plus.format.values import unsafe_reason
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -26,7 +27,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except Exception as e:
             raise UnsafeCheckpointError(
                 f"checkpoint value {fqn!r} does not load with torch.load(weights_only=True) "
-                f"({type(e).__name__}); refusing to unpickle it. Only load it with "
+                f"({unsafe_reason(e)}); refusing to unpickle it. Only load it with "
                 "DefaultLoadPlanner if you trust the checkpoint's author"
             ) from None
         if self.flatten_state_dict:
