@@ -6,8 +6,10 @@ import os
 import random
 
 import pytest
+import torch
 
-from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus import LocalReader
+from dcp_plus.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from dcp_plus.format.record import Extent
 from dcp_plus.readers.extents import check_bounds, read_coalesced, verify_checksum
 from tests.conftest import (
@@ -181,3 +183,13 @@ def test_short_read_raises_eof_naming_the_file(tmp_path):
             read_coalesced(fd, str(f), [(200, memoryview(a)), (1000, memoryview(b))])
     finally:
         os.close(fd)
+
+
+def test_directory_without_commit_record_is_not_a_checkpoint(tmp_path):
+    sd = {"w": torch.ones(2)}
+    save(sd, tmp_path / "ckpt")
+    os.unlink(tmp_path / "ckpt" / ".metadata")  # what an interrupted save leaves
+
+    with pytest.raises(CheckpointNotFoundError, match="no commit record"):
+        LocalReader(tmp_path / "ckpt").read_metadata()
+    assert "no commit record" in load_fails(load_target(sd), tmp_path / "ckpt")

@@ -184,3 +184,21 @@ def test_save_without_collectives_is_refused(tmp_path):
                  no_dist=True, use_collectives=False)
 
     assert not (tmp_path / "ckpt" / ".metadata").exists()
+
+
+def test_load_into_other_dtypes_converts_like_stock_dcp(tmp_path):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    src = {"w": torch.randn(4, 3), "i": torch.arange(5), "t": torch.randn(3, 4).t()}
+    save(src, tmp_path / "ours")
+    dcp.save(src, storage_writer=FileSystemWriter(tmp_path / "stock"), no_dist=True)
+
+    def target() -> dict[str, torch.Tensor]:
+        return {"w": torch.zeros(4, 3, dtype=torch.bfloat16),
+                "i": torch.zeros(5, dtype=torch.float64),
+                "t": torch.zeros(3, 4, dtype=torch.float16).t()}
+
+    ours = load(target(), tmp_path / "ours")
+    stock = load(target(), tmp_path / "stock", allow_pickle=True)
+    assert_bit_exact(ours, stock)
+    assert_bit_exact(ours["w"], src["w"].bfloat16())

@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
+import threading
+
 import pytest
+import torch
 
 from dcp_plus._worker import WriteJob, coalesce
 from dcp_plus.errors import ClosedError, WorkerError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.writers import shutdown_pool
 from dcp_plus.writers.pool import WorkerPool
-from tests.conftest import pid_alive, save, slab_state_dict, worker_pids
+from tests.conftest import (
+    assert_bit_exact,
+    clone_state,
+    fill_pattern,
+    load,
+    load_target,
+    pid_alive,
+    registered_slab,
+    save,
+    slab_state_dict,
+    wait_until,
+    worker_pids,
+)
 
 
 def test_workers_start_with_the_first_slab_save_and_do_not_import_torch(tmp_path, slab):
@@ -104,3 +122,49 @@ def test_coalesce_merges_only_ranges_adjacent_in_both_slab_and_file():
 
     assert coalesce(ranges) == [("s", 0, 0, 104), ("t", 104, 104, 4), ("s", 200, 300, 4),
                                 ("s", 400, 1 << 20, 8)]
+
+
+def _two_slab_state(s1, s2) -> dict:
+    a, _ = slab_state_dict(s1)
+    b, _ = slab_state_dict(s2)
+    return {"a": a, "b": b}  # two slabs: two files, one job per worker
+
+
+def test_worker_killed_between_saves_is_replaced_and_the_next_save_succeeds(tmp_path):
+    with registered_slab(1 << 20) as s1, registered_slab(1 << 20) as s2:
+        fill_pattern(s1.tensor(), seed=1)
+        fill_pattern(s2.tensor(), seed=2)
+        sd = _two_slab_state(s1, s2)
+        save(sd, tmp_path / "a")
+        victim = worker_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        wait_until(lambda: victim not in worker_pids(), 10, f"worker {victim} to die")
+
+        save(sd, tmp_path / "b")
+
+        pids = worker_pids()
+        assert victim not in pids and len(pids) == 2
+        assert_bit_exact(load(load_target(sd), tmp_path / "b"), clone_state(sd))
+        del sd
+
+
+def test_repeated_saves_leave_threads_fds_workers_and_slabs_flat(tmp_path, slab):
+    # invariant 6, short form
+    sd, _ = slab_state_dict(slab)
+    sd = {**sd, "plain": torch.randn(1000), "step": 3}
+    shm_prefix = f"dcpp-{os.getpid()}-"
+
+    def resources() -> tuple[int, int, int, int]:
+        gc.collect()
+        return (threading.active_count(), len(os.listdir("/proc/self/fd")), len(worker_pids()),
+                sum(n.startswith(shm_prefix) for n in os.listdir("/dev/shm")))
+
+    for i in range(3):
+        save(sd, tmp_path / f"warm{i}", fsync=False)
+    before = resources()
+    for i in range(30):
+        save(sd, tmp_path / f"s{i}", fsync=False)
+        load(load_target(sd), tmp_path / f"s{i}")
+    after = resources()
+
+    assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
