@@ -91,22 +91,19 @@ def _unpin(slab: Slab) -> None:
 
 
 def free_slab(slab: Slab) -> None:
-    """Unregister and unlink ``slab`` now; unmap now, or when the last view of it dies.
+    """Unregister and unlink ``slab`` now; unmap when the last tensor viewing it dies.
 
-    Views that outlive the arena (for example a planner that still holds the flattened staged
-    dict) keep the mapping alive, so nothing ever reads freed memory.
+    ``Slab.close()`` unmaps even while tensors made by ``Slab.tensor()`` are alive (they hold
+    a reference to the mmap object, not a buffer export), which would leave dangling views,
+    for example in a planner that still holds the flattened staged dict. So the mapping is
+    never closed here: dropping our reference lets the last view unmap it.
     """
     registry.unregister(slab)
-    try:
-        slab.close()
-    except BufferError:
-        # Still exported by live views: drop our reference (the mapping is released with the
-        # last view) and remove the name so the segment does not outlive us.
-        slab._mmap = None
-        if slab.owner:
-            slab.owner = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, slab.name))
+    slab._mmap = None
+    if slab.owner:
+        slab.owner = False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, slab.name))
 
 
 @dataclass(eq=False)
