@@ -66,8 +66,8 @@ class NullWriter(StorageWriter):
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> torch.futures.Future[list[WriteResult]]:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
         from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.metadata import MetadataIndex
 
         results = [
             WriteResult(
