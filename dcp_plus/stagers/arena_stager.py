@@ -27,7 +27,7 @@ from dcp_plus.stagers.arena import Arena, Buffer, Fingerprint, plan_layout, slab
 from dcp_plus.stagers.copy_engine import CopyEngine
 from dcp_plus.stagers.guard import GuardHandle, install_guard
 from dcp_plus.stagers.staged import StagedStateDict
-from dcp_plus.stagers.tree import Captured, capture, fill, local_tensor, rewrap
+from dcp_plus.stagers.tree import Captured, capture, fill, fqns_of, local_tensor, rewrap
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class ArenaStager(AsyncStager):
         """
         self._check_open("reserve")
         cap = capture(state_dict)
-        fp = _fingerprint(cap.fqns, [local_tensor(t) for t in cap.tensors])
+        fp = _fingerprint(fqns_of(cap.skeleton), [local_tensor(t) for t in cap.tensors])
         with self._cond:
             arena = self._arena_for(fp)
             while len(arena.buffers) < self.buffers:
@@ -328,7 +328,7 @@ class ArenaStager(AsyncStager):
         try:
             cap = job.captured
             locals_ = [local_tensor(t) for t in cap.tensors]
-            fp = _fingerprint(cap.fqns, locals_)
+            fp = _fingerprint(fqns_of(cap.skeleton), locals_)
             arena, buf = self._take_buffer(fp)
             if not buf.views_alias_slabs():
                 logger.warning("ArenaStager: arena views were re-based by someone; rebuilding them")

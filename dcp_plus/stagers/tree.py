@@ -34,7 +34,6 @@ class Captured:
 
     skeleton: dict[str, Any]
     tensors: list[torch.Tensor]
-    fqns: list[str]
 
 
 def _is_dtensor(value: torch.Tensor) -> bool:
@@ -44,40 +43,59 @@ def _is_dtensor(value: torch.Tensor) -> bool:
 def capture(state_dict: Mapping[str, Any]) -> Captured:
     """Split ``state_dict`` into a skeleton and its tensors (see module docstring).
 
+    Runs on the caller's thread, so it does as little as possible: fully qualified names are
+    derived later, on the driver thread, by :func:`fqns_of`.
+
     Raises:
         StagingError: a tensor kind that cannot be staged (sparse, quantized, meta, ...).
     """
     tensors: list[torch.Tensor] = []
-    fqns: list[str] = []
     memo: dict[int, Any] = {}
+    append = tensors.append
 
-    def walk(value: Any, path: str) -> Any:
-        if isinstance(value, torch.Tensor):
+    def walk(value: Any) -> Any:
+        t = type(value)
+        if t is torch.Tensor or isinstance(value, torch.Tensor):
             if value.layout != torch.strided or value.is_quantized or value.device.type == "meta":
                 raise StagingError(
-                    f"cannot stage {path!r}: {value.layout} {value.dtype} tensor on "
-                    f"{value.device}; only dense strided tensors are supported"
+                    f"cannot stage a {value.layout} {value.dtype} tensor on {value.device}; "
+                    "only dense strided tensors are supported"
                 )
-            tensors.append(value)
-            fqns.append(path)
+            append(value)
             return Slot(len(tensors) - 1)
-        if isinstance(value, Mapping):
-            return {k: walk(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v, f"{path}.{i}") for i, v in enumerate(value)]
-        if isinstance(value, tuple) and type(value) is tuple:
-            return tuple(walk(v, f"{path}.{i}") for i, v in enumerate(value))
+        if t is dict or isinstance(value, Mapping):
+            return {k: walk(v) for k, v in value.items()}
+        if t is list:
+            return [walk(v) for v in value]
+        if t is tuple:
+            return tuple(walk(v) for v in value)
         if isinstance(value, _ATOMIC):
             return value
         try:
             return copy.deepcopy(value, memo)
         except Exception as e:
-            raise StagingError(
-                f"cannot copy non-tensor value {path!r} ({type(value).__name__}): {e}"
-            ) from e
+            raise StagingError(f"cannot copy non-tensor value of type {t.__name__}: {e}") from e
 
-    skeleton = {k: walk(v, str(k)) for k, v in state_dict.items()}
-    return Captured(skeleton, tensors, fqns)
+    skeleton = {k: walk(v) for k, v in state_dict.items()}
+    return Captured(skeleton, tensors)
+
+
+def fqns_of(skeleton: Any) -> list[str]:
+    """Dotted paths of every :class:`Slot` in ``skeleton``, in slot order."""
+    out: list[str] = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, Slot):
+            out.append(path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{path}.{i}")
+
+    walk(skeleton, "")
+    return out
 
 
 def fill(skeleton: Any, staged: list[torch.Tensor]) -> Any:
