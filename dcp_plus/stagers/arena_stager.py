@@ -1,0 +1,371 @@
+"""``ArenaStager``: DCP's ``AsyncStager`` over reusable shared-memory arenas.
+
+``stage()`` captures the state dict's structure, waits for a free buffer, and hands the copy to
+the :class:`~dcp_plus.stagers.copy_engine.CopyEngine`; it returns a ``Future`` of the staged
+dict within milliseconds. The buffer is handed back when DCP drops the staged dict at the end
+of the save (a ``weakref.finalize``), so no extra call is needed with stock ``dcp.async_save``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+
+from dcp_plus.errors import CapacityError, ClosedError, DcpPlusError, StagingError
+from dcp_plus.stagers.arena import Arena, Buffer, Fingerprint, plan_layout, slab_names
+from dcp_plus.stagers.copy_engine import CopyEngine
+from dcp_plus.stagers.guard import GuardHandle, install_guard
+from dcp_plus.stagers.staged import StagedStateDict
+from dcp_plus.stagers.tree import Captured, capture, fill, fqns_of, local_tensor, rewrap
+
+logger = logging.getLogger(__name__)
+
+_GC_AFTER_S = 1.0
+"""Waiting this long for a buffer runs one ``gc.collect()`` (a cycle may hold a staged dict)."""
+_WARN_EVERY_S = 60.0
+
+
+@dataclass(slots=True)
+class _Job:
+    captured: Captured
+    events: dict[int, Any]
+    future: Future[StagedStateDict]
+
+
+class ArenaStager(AsyncStager):
+    """Stages state dicts into reusable shared-memory arenas (see ``docs/stager.md``).
+
+    Args:
+        buffers: 1 (default): ``stage()`` first waits until the previous snapshot has been
+            persisted, and one arena buffer is reused. 2: a new snapshot may be taken while
+            the previous one persists (twice the memory).
+        max_bytes: upper bound on shared memory held by arenas; ``None`` for no bound.
+        num_threads: CPU copy threads (including the driver thread).
+        slab_bytes: target slab size; a tensor larger than this gets its own slab.
+        wait_timeout_s: how long ``stage()`` waits for a buffer before raising
+            :class:`~dcp_plus.errors.StagingError`; ``None`` waits forever.
+
+    The staged dict a ``stage()`` future resolves to is valid until its save has persisted:
+    afterwards its memory is reused by a later snapshot.
+    """
+
+    _synchronize_after_execute: bool = False
+
+    def __init__(
+        self,
+        *,
+        buffers: int = 1,
+        max_bytes: int | None = None,
+        num_threads: int | None = None,
+        slab_bytes: int = 512 << 20,
+        wait_timeout_s: float | None = None,
+    ) -> None:
+        if buffers not in (1, 2):
+            raise ValueError(f"ArenaStager(buffers=...) must be 1 or 2, got {buffers}")
+        if slab_bytes < 4096:
+            raise ValueError(f"slab_bytes must be at least 4096, got {slab_bytes}")
+        self.buffers = buffers
+        self.max_bytes = max_bytes
+        self.slab_bytes = slab_bytes
+        self.wait_timeout_s = wait_timeout_s
+        self._engine = CopyEngine(num_threads or min(2, os.cpu_count() or 1))
+        self._cond = threading.Condition(threading.RLock())
+        self._arenas: list[Arena] = []
+        self._current: Arena | None = None
+        self._held = 0  # snapshots staged or being staged and not yet persisted
+        self._pending = 0  # jobs submitted and not finished
+        self._error: BaseException | None = None
+        self._closed = False
+
+    # -- AsyncStager ----------------------------------------------------------------------
+
+    def stage(self, state_dict: Mapping[str, Any], **_: Any) -> Future[StagedStateDict]:  # type: ignore[override]
+        """Snapshot ``state_dict``; returns a ``Future`` of the staged dict.
+
+        Tensors are captured by reference now and copied in the background; non-tensor values
+        are deep-copied now. The live tensors must not change until the future is done: use
+        :meth:`guard` or wait on ``AsyncSaveResponse.staging_completion``.
+
+        Raises:
+            ClosedError: the stager was closed.
+            StagingError: the state dict holds an unsupported value, or no buffer was freed
+                within ``wait_timeout_s``.
+        """
+        self._check_open("stage")
+        captured = capture(state_dict)
+        devices = {t.device for t in captured.tensors if t.device.type == "cuda"}
+        self._acquire()
+        try:
+            events = self._engine.mark(devices) if devices else {}
+            future: Future[StagedStateDict] = Future()
+            future.set_running_or_notify_cancel()
+            job = _Job(captured, events, future)
+            with self._cond:
+                self._pending += 1
+            self._engine.submit(lambda: self._run(job))
+        except BaseException:
+            self._release_permit()
+            raise
+        return future
+
+    def synchronize_staging(self) -> None:
+        """Wait until every snapshot submitted so far has been copied.
+
+        Raises:
+            StagingError: a snapshot failed (raised once, then cleared).
+        """
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+            err, self._error = self._error, None
+        if err is not None:
+            raise err
+
+    def close(self, timeout: float | None = None) -> None:
+        """Wait for staging and persists, then unlink every slab and join every thread.
+
+        Args:
+            timeout: longest wait for in-flight persists; after it, slabs are unlinked anyway
+                (views still alive keep their mapping, so nothing reads freed memory).
+        """
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._engine.close()
+        if not self.wait_persisted(timeout):
+            logger.warning(
+                "ArenaStager.close(): %d snapshot(s) still referenced after %ss; freeing anyway",
+                self._held,
+                timeout,
+            )
+        with self._cond:
+            for arena in self._arenas:
+                for buf in arena.buffers:
+                    buf.in_use = False
+                arena.free()
+            self._arenas = []
+            self._current = None
+
+    # -- extras ---------------------------------------------------------------------------
+
+    def guard(
+        self, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
+    ) -> GuardHandle:
+        """Make every ``optimizer.step()`` first wait for the snapshot in flight.
+
+        Returns:
+            A handle whose ``remove()`` uninstalls the hooks.
+        """
+        self._check_open("guard")
+        return install_guard(optimizers, self.synchronize_staging)
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        """Wait until no staged dict is alive (every save has persisted and dropped it).
+
+        Returns:
+            False if ``timeout`` seconds passed first.
+        """
+        return self._wait_until(lambda: self._held == 0 and self._pending == 0, timeout)
+
+    def reserve(self, state_dict: Mapping[str, Any]) -> None:
+        """Allocate and pre-fault the arena for ``state_dict``'s structure now.
+
+        Optional: call it at start-up so the first checkpoint copies at memory speed instead
+        of paying the kernel's first-touch cost.
+        """
+        self._check_open("reserve")
+        cap = capture(state_dict)
+        fp = _fingerprint(fqns_of(cap.skeleton), [local_tensor(t) for t in cap.tensors])
+        with self._cond:
+            arena = self._arena_for(fp)
+            while len(arena.buffers) < self.buffers:
+                self._check_capacity(arena.layout.nbytes)
+                arena.add_buffer()
+            bufs = list(arena.buffers)
+        for buf in bufs:
+            buf.prefault()
+
+    def slab_names(self) -> list[str]:
+        """Names of every slab this stager currently holds."""
+        with self._cond:
+            return slab_names(self._arenas)
+
+    @property
+    def nbytes(self) -> int:
+        """Shared-memory bytes currently held by arenas."""
+        with self._cond:
+            return sum(a.nbytes for a in self._arenas)
+
+    def __enter__(self) -> ArenaStager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(
+                f"ArenaStager.{what}() called after close(); create a new ArenaStager"
+            )
+
+    def _wait_until(self, pred: Any, timeout: float | None) -> bool:
+        start = time.monotonic()
+        collected = False
+        next_warn = _WARN_EVERY_S
+        with self._cond:
+            while not pred():
+                waited = time.monotonic() - start
+                if timeout is not None and waited >= timeout:
+                    return False
+                if waited >= _GC_AFTER_S and not collected:
+                    collected = True
+                    gc.collect()
+                    continue
+                if waited >= next_warn:
+                    next_warn += _WARN_EVERY_S
+                    logger.warning(
+                        "ArenaStager: waited %.0fs for %d staged dict(s) to be released; a "
+                        "reference outlives its save (see docs/stager.md, 'buffer release')",
+                        waited,
+                        self._held,
+                    )
+                step = _GC_AFTER_S if not collected else 5.0
+                if timeout is not None:
+                    step = min(step, timeout - waited)
+                self._cond.wait(max(step, 0.001))
+        return True
+
+    def _acquire(self) -> None:
+        def free() -> bool:
+            if self._closed:
+                raise ClosedError(
+                    "ArenaStager.stage() called after close(); create a new ArenaStager"
+                )
+            return self._held < self.buffers
+
+        if not self._wait_until(free, self.wait_timeout_s):
+            raise StagingError(
+                f"ArenaStager(buffers={self.buffers}): no buffer was released within "
+                f"{self.wait_timeout_s}s; the previous save has not finished or a staged dict is "
+                "still referenced (drop it, or raise wait_timeout_s)"
+            )
+        with self._cond:
+            self._held += 1
+
+    def _release_permit(self) -> None:
+        with self._cond:
+            self._held -= 1
+            self._cond.notify_all()
+
+    def _release(self, arena: Arena, buf: Buffer) -> None:
+        """Finalizer of a staged dict: its save is over, the buffer is free again."""
+        with self._cond:
+            buf.in_use = False
+            self._held -= 1
+            if arena.retired and not arena.in_use():
+                self._drop_arena(arena)
+            self._cond.notify_all()
+
+    def _drop_arena(self, arena: Arena) -> None:
+        arena.free()
+        self._arenas = [a for a in self._arenas if a is not arena]
+
+    def _check_capacity(self, extra: int) -> None:
+        if self.max_bytes is None:
+            return
+        held = sum(a.nbytes for a in self._arenas)
+        if held + extra > self.max_bytes:
+            raise CapacityError(
+                f"ArenaStager: staging needs {extra} more bytes of shared memory ({held} held) "
+                f"but max_bytes={self.max_bytes}; raise max_bytes, use buffers=1, or stage a "
+                "smaller state dict"
+            )
+
+    def _arena_for(self, fp: Fingerprint) -> Arena:
+        cur = self._current
+        if cur is not None and cur.fingerprint == fp:
+            return cur
+        if cur is not None:
+            logger.info("ArenaStager: state-dict structure changed; allocating a new arena")
+            cur.retired = True
+            if not cur.in_use():
+                self._drop_arena(cur)
+        pin = any(dev != "cpu" for *_, dev in fp) and torch.cuda.is_available()
+        arena = Arena(fp, plan_layout(fp, self.slab_bytes), pin=pin)
+        self._arenas = [*self._arenas, arena]
+        self._current = arena
+        return arena
+
+    def _take_buffer(self, fp: Fingerprint) -> tuple[Arena, Buffer]:
+        with self._cond:
+            arena = self._arena_for(fp)
+            buf = arena.free_buffer()
+            if buf is None:
+                self._check_capacity(arena.layout.nbytes)
+                buf = arena.add_buffer()
+            buf.in_use = True
+            return arena, buf
+
+    def _run(self, job: _Job) -> None:
+        """Driver thread: pick the arena buffer, copy, resolve the future."""
+        arena: Arena | None = None
+        buf: Buffer | None = None
+        try:
+            cap = job.captured
+            locals_ = [local_tensor(t) for t in cap.tensors]
+            fp = _fingerprint(fqns_of(cap.skeleton), locals_)
+            arena, buf = self._take_buffer(fp)
+            if not buf.views_alias_slabs():
+                logger.warning("ArenaStager: arena views were re-based by someone; rebuilding them")
+                buf.make_views(arena.layout)
+            self._engine.copy(list(zip(locals_, buf.views, strict=True)), job.events)
+            staged = StagedStateDict(
+                fill(
+                    cap.skeleton,
+                    [rewrap(o, v) for o, v in zip(cap.tensors, buf.views, strict=True)],
+                )
+            )
+            weakref.finalize(staged, self._release, arena, buf)
+            arena = buf = None  # ownership moved to the finalizer
+            job.future.set_result(staged)
+            del staged
+        except BaseException as e:
+            err = e if isinstance(e, DcpPlusError) else StagingError(f"staging failed: {e!r}")
+            if err is not e:
+                err.__cause__ = e
+            with self._cond:
+                if buf is not None:
+                    buf.in_use = False
+                    if arena is not None and arena.retired and not arena.in_use():
+                        self._drop_arena(arena)
+                self._error = err
+            self._release_permit()
+            job.future.set_exception(err)
+        finally:
+            job.captured = None  # type: ignore[assignment]
+            job.future = None  # type: ignore[assignment]
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+
+def _fingerprint(fqns: list[str], tensors: list[torch.Tensor]) -> Fingerprint:
+    return tuple(
+        (f, t.dtype, tuple(t.shape), t.stride(), str(t.device))
+        for f, t in zip(fqns, tensors, strict=True)
+    )

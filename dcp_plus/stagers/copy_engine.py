@@ -1,0 +1,175 @@
+"""The copy engine: moves live tensor bytes into arena views off the trainer's thread.
+
+* CPU sources: large contiguous tensors are cut into chunks, and the list of copies is split
+  into ``num_threads`` contiguous byte ranges; the driver thread copies one range and a small
+  persistent pool the others (``copy_`` releases the GIL).
+* CUDA sources: one side stream per device first waits on an event recorded on the caller's
+  current stream inside ``stage()``, then issues non-blocking device-to-host copies into the
+  page-locked slabs; completion is an event on the side stream.
+
+Jobs run strictly in submission order on one driver thread, so snapshot N is complete before
+snapshot N+1 starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 16 << 20
+"""Largest single ``copy_`` on the CPU path; bounds the imbalance between threads."""
+
+
+def _chunks(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    nbytes = src.numel() * src.element_size()
+    if nbytes <= CHUNK_BYTES or not src.is_contiguous():
+        return [(src, dst)]
+    s, d = src.reshape(-1), dst.reshape(-1)
+    step = max(1, CHUNK_BYTES // src.element_size())
+    return [(s[i : i + step], d[i : i + step]) for i in range(0, s.numel(), step)]
+
+
+def split_lanes(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], lanes: int
+) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Chunk ``pairs`` and split them into ``lanes`` runs of about equal bytes, order kept."""
+    tasks: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for src, dst in pairs:
+        tasks.extend(_chunks(src, dst))
+    total = sum(s.numel() * s.element_size() for s, _ in tasks) or 1
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(lanes)]
+    done = 0
+    for s, d in tasks:
+        lane = min(lanes - 1, done * lanes // total)
+        out[lane].append((s, d))
+        done += s.numel() * s.element_size()
+    return out
+
+
+def _copy_run(run: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for s, d in run:
+        d.copy_(s)
+
+
+class CopyEngine:
+    """A driver thread plus ``num_threads - 1`` copy workers, and CUDA side streams.
+
+    Args:
+        num_threads: CPU threads that copy (the driver counts as one).
+    """
+
+    def __init__(self, num_threads: int = 2) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        self.num_threads = num_threads
+        self._driver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpp-stage")
+        self._pool = (
+            ThreadPoolExecutor(max_workers=num_threads - 1, thread_name_prefix="dcpp-copy")
+            if num_threads > 1
+            else None
+        )
+        self._streams: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    # -- trainer thread -------------------------------------------------------------------
+
+    def mark(self, devices: set[torch.device]) -> dict[int, Any]:
+        """Record an event on the caller's current stream of every CUDA device in ``devices``.
+
+        Call from the thread that produced the tensors (inside ``stage()``); also creates the
+        side streams there, so they never alias the compute stream.
+        """
+        events: dict[int, Any] = {}
+        for dev in devices:
+            if dev.type != "cuda":
+                continue
+            idx = dev.index if dev.index is not None else torch.cuda.current_device()
+            with self._lock:
+                if idx not in self._streams:
+                    self._streams[idx] = torch.cuda.Stream(device=idx)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(idx))
+            events[idx] = ev
+        return events
+
+    def submit(self, fn: Callable[[], None]) -> Future[None]:
+        """Run ``fn`` on the driver thread after every earlier job."""
+        return self._driver.submit(fn)
+
+    # -- driver thread --------------------------------------------------------------------
+
+    def copy(
+        self,
+        pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        events: dict[int, Any] | None = None,
+    ) -> None:
+        """Copy every ``src`` into its ``dst``; returns when all bytes have landed."""
+        cpu = [(s, d) for s, d in pairs if s.device.type == "cpu"]
+        gpu = [(s, d) for s, d in pairs if s.device.type == "cuda"]
+        done_events = self._issue_cuda(gpu, events or {}) if gpu else []
+        if cpu:
+            self._copy_cpu(cpu)
+        for ev in done_events:
+            ev.synchronize()
+        other = len(pairs) - len(cpu) - len(gpu)
+        if other:
+            for s, d in pairs:
+                if s.device.type not in ("cpu", "cuda"):
+                    d.copy_(s)
+
+    def _copy_cpu(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        lanes = split_lanes(pairs, self.num_threads)
+        futures = (
+            [self._pool.submit(_copy_run, run) for run in lanes[1:] if run] if self._pool else []
+        )
+        err: BaseException | None = None
+        try:
+            _copy_run(lanes[0])
+        except BaseException as e:
+            err = e
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as e:
+                err = err or e
+        if err is not None:
+            raise err
+
+    def _issue_cuda(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], events: dict[int, Any]
+    ) -> list[Any]:
+        by_dev: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for s, d in pairs:
+            by_dev.setdefault(s.device.index or 0, []).append((s, d))
+        done = []
+        for idx, items in by_dev.items():
+            stream = self._streams[idx]
+            with torch.cuda.stream(stream):
+                if idx in events:
+                    stream.wait_event(events[idx])
+                for s, d in items:
+                    d.copy_(s, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            done.append(ev)
+        return done
+
+    def streams(self) -> dict[int, Any]:
+        """The CUDA side streams, by device index (tests and diagnostics)."""
+        return dict(self._streams)
+
+    def close(self) -> None:
+        """Finish queued jobs and join every thread."""
+        self._driver.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for stream in self._streams.values():
+            stream.synchronize()
+        self._streams.clear()

@@ -1,0 +1,108 @@
+"""The staged state dict, and how it crosses into DCP's checkpoint process without a copy.
+
+:class:`StagedStateDict` is what ``ArenaStager.stage()`` resolves to. Two properties matter:
+
+* Its lifetime marks the end of a persist. DCP drops the staged dict when ``save`` returns (the
+  thread executor's work item, or the process executor's request, goes away), which fires a
+  ``weakref.finalize`` that hands the arena buffer back to the stager.
+* It pickles by reference. ``AsyncCheckpointerType.PROCESS`` sends the staged dict to a daemon
+  process with ``torch.multiprocessing``; torch's own tensor reducer would copy every
+  slab-backed tensor into a fresh torch shared-memory segment (and dup one fd per tensor).
+  ``__reduce__`` instead sends ``(slab name, offset, dtype, shape)`` for every tensor that lives
+  in a registered slab; the receiving process maps each slab once by name, registers it in its
+  own :data:`~dcp_plus.shm.registry` (so dcp_plus writers running there hand out descriptors
+  too) and builds views. Mappings are cached per process and dropped once the creator has
+  unlinked the slab.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dcp_plus.shm import Slab, registry
+
+
+class StagedStateDict(dict):
+    """A ``dict`` of staged values; see the module docstring. Valid until its save persists."""
+
+    __slots__ = ("__weakref__",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (_encode(dict(self)),))
+
+
+@dataclass(frozen=True, slots=True)
+class SlabTensorRef:
+    """A picklable pointer to a tensor stored in a named slab."""
+
+    slab: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _encode(value: Any) -> Any:
+    if type(value) is torch.Tensor:
+        ref = registry.lookup(value)
+        if ref is not None:
+            return SlabTensorRef(ref.slab, ref.offset, value.dtype, tuple(value.shape))
+        return value
+    if isinstance(value, Mapping):
+        return {k: _encode(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_encode(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_encode(v) for v in value)
+    return value
+
+
+_attach_lock = threading.Lock()
+_attached: dict[str, tuple[Slab, torch.Tensor]] = {}
+
+
+def _attach(name: str) -> torch.Tensor:
+    """A uint8 tensor over slab ``name``, mapped once per process and registered."""
+    with _attach_lock:
+        # Forget slabs whose creator has freed them (their mapping lives on in any views).
+        for stale in [n for n, (s, _) in _attached.items() if n != name and s.is_unlinked()]:
+            slab, _ = _attached.pop(stale)
+            registry.unregister(slab)
+        hit = _attached.get(name)
+        if hit is None:
+            slab = Slab(name=name)
+            registry.register(slab)
+            hit = (slab, slab.tensor())
+            _attached[name] = hit
+        return hit[1]
+
+
+def attached_slab_names() -> list[str]:
+    """Slabs this process has mapped by name (diagnostics and tests)."""
+    with _attach_lock:
+        return list(_attached)
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, SlabTensorRef):
+        base = _attach(value.slab)
+        numel = 1
+        for d in value.shape:
+            numel *= d
+        nbytes = numel * value.dtype.itemsize
+        return base[value.offset : value.offset + nbytes].view(value.dtype).view(value.shape)
+    if type(value) is dict:
+        return {k: _decode(v) for k, v in value.items()}
+    if type(value) is list:
+        return [_decode(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_decode(v) for v in value)
+    return value
+
+
+def _rebuild(encoded: dict[str, Any]) -> dict[str, Any]:
+    return _decode(encoded)
