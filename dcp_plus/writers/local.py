@@ -171,7 +171,8 @@ class LocalWriter(StorageWriter):
                 if acc >= target * len(bounds) and len(bounds) < parts:
                     bounds.append(i + 1)
             bounds.append(len(fp.placed))
-            path = os.path.join(self.path, fp.name)
+            # absolute: workers keep the cwd they were started with, the caller may not
+            path = os.path.abspath(os.path.join(self.path, fp.name))
             for a, b in zip(bounds, bounds[1:], strict=False):
                 if a == b:
                     continue
