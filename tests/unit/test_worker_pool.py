@@ -168,3 +168,17 @@ def test_repeated_saves_leave_threads_fds_workers_and_slabs_flat(tmp_path, slab)
     after = resources()
 
     assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_relative_checkpoint_path_is_written_where_the_caller_means_after_a_chdir(
+        tmp_path, slab, monkeypatch):
+    sd, _ = slab_state_dict(slab)
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    monkeypatch.chdir(tmp_path / "one")
+    save(sd, "ckpt")  # workers start here, with this cwd
+    monkeypatch.chdir(tmp_path / "two")
+
+    save(sd, "ckpt")
+
+    assert_bit_exact(load(load_target(sd), tmp_path / "two" / "ckpt"), clone_state(sd))
