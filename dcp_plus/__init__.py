@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "ArenaStager": "dcp_plus.stagers",
     "LocalWriter": "dcp_plus.writers",
     "LocalReader": "dcp_plus.readers",
     "SafeLoadPlanner": "dcp_plus.planners",
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     )
     from dcp_plus.planners import SafeLoadPlanner
     from dcp_plus.readers import LocalReader
+    from dcp_plus.stagers import ArenaStager
     from dcp_plus.writers import LocalWriter
 
 

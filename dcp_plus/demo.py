@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers import LocalReader
+from dcp_plus.stagers import ArenaStager
 from dcp_plus.writers import LocalWriter
 
 
@@ -96,15 +97,15 @@ def run(root: str = "./checkpoints", steps: int = 20, every: int = 5,
     # single-process demo: DCP warns that it runs without a process group, which is intended
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     model, opt = build()
+    stager = ArenaStager()
+    stager.guard(opt)  # optimizer.step() waits until the snapshot in flight is complete
     timings: list[SaveTiming] = []
     expected: dict[str, Any] = {}
     pending: Any = None
-    staged: Any = None
     bar = tqdm(range(1, steps + 1), desc="training", unit="step", leave=False)
     train_t0 = time.perf_counter()
     for step in bar:
-        train_step(model, opt, step, snapshot=staged)
-        staged = None
+        train_step(model, opt, step)
         if step % every == 0:
             if pending is not None:
                 pending.result()  # at most one persist in flight
@@ -113,12 +114,10 @@ def run(root: str = "./checkpoints", steps: int = 20, every: int = 5,
             state = state_of(model, opt, step)
             expected = copy.deepcopy(state)
             t0 = time.perf_counter()
-            resp = dcp.async_save(state, storage_writer=LocalWriter(path), no_dist=True)
+            resp = dcp.async_save(state, storage_writer=LocalWriter(path), async_stager=stager,
+                                  no_dist=True)
             blocking = time.perf_counter() - t0
-            if isinstance(resp, AsyncSaveResponse):
-                staged, upload = resp.staging_completion, resp.upload_completion
-            else:  # a blocking stager already finished the snapshot
-                staged, upload = None, resp
+            upload = resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp
             t_step = step
 
             def done(fut: Any, t0: float = t0, path: str = path, s: int = t_step,
@@ -128,6 +127,7 @@ def run(root: str = "./checkpoints", steps: int = 20, every: int = 5,
             pending = upload
     if pending is not None:
         pending.result()
+    stager.close()
     train_s = time.perf_counter() - train_t0
 
     last = max(timings, key=lambda t: t.step)

@@ -74,13 +74,13 @@ class Slab:
         return not os.path.exists(os.path.join(SHM_DIR, self.name))
 
     def close(self) -> None:
-        """Unmap; the creator also unlinks the segment. Idempotent.
+        """Drop this handle's mapping; the creator also unlinks the name. Idempotent.
 
-        Raises BufferError while tensors or views created from the slab are still alive.
+        The memory itself is unmapped when the last tensor made by :meth:`tensor` is gone
+        (``torch.frombuffer`` keeps a reference to the mapping, not a buffer export, so an
+        explicit unmap here would leave such tensors dangling).
         """
-        if self._mmap is not None:
-            self._mmap.close()
-            self._mmap = None
+        self._mmap = None
         if self.owner:
             self.owner = False
             try:
@@ -137,3 +137,28 @@ class SlabRegistry:
 
 registry = SlabRegistry()
 """The process-wide registry that stagers fill and writers consult."""
+
+
+def remove_orphans() -> list[str]:
+    """Unlink slabs whose creating process is gone (e.g. a trainer killed with SIGKILL).
+
+    Slab names carry the creator's pid; a live pid (even a reused one) is left alone.
+    """
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        if not name.startswith(PREFIX):
+            continue
+        try:
+            pid = int(name[len(PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ValueError:
+            continue
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        except PermissionError:  # alive, owned by someone else
+            continue
+    return removed

@@ -10,16 +10,14 @@ descriptors to worker processes instead of copying.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from dcp_plus.format.layout import ALIGNMENT, align_up
-from dcp_plus.shm import SHM_DIR, Slab, registry
+from dcp_plus.shm import Slab, registry
 
 logger = logging.getLogger(__name__)
 
@@ -91,19 +89,10 @@ def _unpin(slab: Slab) -> None:
 
 
 def free_slab(slab: Slab) -> None:
-    """Unregister and unlink ``slab`` now; unmap when the last tensor viewing it dies.
-
-    ``Slab.close()`` unmaps even while tensors made by ``Slab.tensor()`` are alive (they hold
-    a reference to the mmap object, not a buffer export), which would leave dangling views,
-    for example in a planner that still holds the flattened staged dict. So the mapping is
-    never closed here: dropping our reference lets the last view unmap it.
-    """
+    """Unregister and unlink ``slab`` now; it is unmapped when the last tensor viewing it dies
+    (for example in a planner that still holds the flattened staged dict)."""
     registry.unregister(slab)
-    slab._mmap = None
-    if slab.owner:
-        slab.owner = False
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(SHM_DIR, slab.name))
+    slab.close()
 
 
 @dataclass(eq=False)

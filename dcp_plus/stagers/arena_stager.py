@@ -23,6 +23,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from dcp_plus.errors import CapacityError, ClosedError, DcpPlusError, StagingError
+from dcp_plus.shm import remove_orphans
 from dcp_plus.stagers.arena import Arena, Buffer, Fingerprint, plan_layout, slab_names
 from dcp_plus.stagers.copy_engine import CopyEngine
 from dcp_plus.stagers.guard import GuardHandle, install_guard
@@ -75,6 +76,8 @@ class ArenaStager(AsyncStager):
             raise ValueError(f"ArenaStager(buffers=...) must be 1 or 2, got {buffers}")
         if slab_bytes < 4096:
             raise ValueError(f"slab_bytes must be at least 4096, got {slab_bytes}")
+        for name in remove_orphans():
+            logger.warning("removed shared-memory slab %s left by a dead process", name)
         self.buffers = buffers
         self.max_bytes = max_bytes
         self.slab_bytes = slab_bytes
