@@ -157,7 +157,7 @@ def find_save_context(frame: FrameType | None = None, depth: int = 8) -> tuple[A
     ``create_local_plan``. Returns ``(None, None)`` when that frame is not found (a future DCP
     or a direct call), in which case writer and group changes are not part of the key.
     """
-    f = frame if frame is not None else sys._getframe(1)
+    f: FrameType | None = frame if frame is not None else sys._getframe(1)
     for _ in range(depth):
         if f is None:
             break

@@ -124,17 +124,15 @@ class CachedMetadata(Metadata):
     it) it is a plain stock ``Metadata``, loadable without dcp_plus.
     """
 
-    _cache_id: str
     _global_key: bytes
 
     @classmethod
-    def for_save(cls, md: Metadata, cache_id: str, global_key: bytes) -> CachedMetadata:
+    def for_save(cls, md: Metadata, global_key: bytes) -> CachedMetadata:
         """A fresh per-save copy of the cached structure ``md`` (writers mutate it)."""
         out = cls(
             state_dict_metadata=dict(md.state_dict_metadata),
             planner_data=md.planner_data,
         )
-        out._cache_id = cache_id
         out._global_key = global_key
         return out
 
@@ -150,10 +148,7 @@ class CachedMetadata(Metadata):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         if in_dcp_broadcast():
-            return (
-                _expand_metadata,
-                (self._cache_id, self._global_key, self.storage_meta, self.version),
-            )
+            return (_expand_metadata, (self._global_key, self.storage_meta, self.version))
         return (
             Metadata,
             (
@@ -167,16 +162,19 @@ class CachedMetadata(Metadata):
 
 
 def _expand_metadata(
-    cache_id: str, global_key: bytes, storage_meta: StorageMeta | None, version: str | None
+    global_key: bytes, storage_meta: StorageMeta | None, version: str | None
 ) -> Metadata:
-    """Unpickle a broadcast token into the receiver's cached structure metadata."""
-    cache = lookup(cache_id)
+    """Unpickle a broadcast token into the receiving rank's cached structure metadata.
+
+    The receiving thread is the one running the save, so its planner's cache is the one that
+    :func:`set_active` recorded in ``set_up_planner``.
+    """
+    cache: PlanCache | None = getattr(_active, "cache", None)
     entry = cache.finals.peek(global_key) if cache is not None else None
     if entry is None:
         log.warning(
-            "plan cache %s has no entry %s: the Metadata returned on this rank is empty "
+            "no plan-cache entry %s on this rank: the Metadata dcp.save returns here is empty "
             "(the committed checkpoint is not affected)",
-            cache_id,
             global_key.hex(),
         )
         return Metadata({}, storage_meta=storage_meta, version=version)
@@ -265,6 +263,14 @@ class PlanCache:
             self.globals.get(p.global_key)
 
 
+_active = threading.local()
+
+
+def set_active(cache: PlanCache) -> None:
+    """Record ``cache`` as the one of the save running in this thread."""
+    _active.cache = cache
+
+
 _lock = threading.Lock()
 _registry: weakref.WeakValueDictionary[str, PlanCache] = weakref.WeakValueDictionary()
 _pinned: OrderedDict[str, PlanCache] = OrderedDict()
@@ -306,4 +312,5 @@ __all__ = [
     "PlanCache",
     "lookup",
     "register",
+    "set_active",
 ]

@@ -30,6 +30,7 @@ from dcp_plus.planners.cache import (
     PlanCache,
     plain_plan,
     register,
+    set_active,
     structure_metadata,
 )
 
@@ -131,6 +132,7 @@ class CachedSavePlanner(DefaultSavePlanner):
             cache.clear()
         cache.in_flight = True
         cache.pending = None
+        set_active(cache)
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
 
     def _context(self) -> tuple[Any, ...]:
@@ -183,7 +185,7 @@ class CachedSavePlanner(DefaultSavePlanner):
                 CachePlan([], storage_data=p.storage_data, key=global_key, kind=HIT)
                 for p in plans
             ]
-            md = CachedMetadata.for_save(entry.metadata, cache.cache_id, global_key)
+            md = CachedMetadata.for_save(entry.metadata, global_key)
             self.global_plan, self.metadata = replies, md
             return replies, md
 
@@ -215,7 +217,7 @@ class CachedSavePlanner(DefaultSavePlanner):
             )
             for g in global_plan
         ]
-        md = CachedMetadata.for_save(struct, cache.cache_id, global_key)
+        md = CachedMetadata.for_save(struct, global_key)
         self.global_plan, self.metadata = replies, md
         return replies, md
 
