@@ -38,46 +38,62 @@ def digest(payload: str | bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
 
 
-def _mesh_key(mesh: Any, memo: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
-    key = memo.get(id(mesh))
-    if key is None:
-        key = (
-            tuple(mesh.mesh.shape),
-            tuple(mesh.mesh.flatten().tolist()),
-            mesh.mesh_dim_names,
-            mesh.get_coordinate(),
-        )
-        memo[id(mesh)] = key
-    return key
+class _Interner:
+    """Small ints for repeated sub-keys (dtype, placements, mesh...), in first-seen order.
+
+    Keeps the per-tensor key short, which makes hashing it several times faster; the table
+    itself is hashed too, so equal digests still mean equal structures.
+    """
+
+    def __init__(self) -> None:
+        self.codes: dict[Any, int] = {}
+        self.meshes: dict[int, tuple[Any, ...]] = {}
+
+    def code(self, key: Any) -> int:
+        c = self.codes.get(key)
+        if c is None:
+            c = self.codes[key] = len(self.codes)
+        return c
+
+    def mesh(self, mesh: Any) -> tuple[Any, ...]:
+        key = self.meshes.get(id(mesh))
+        if key is None:
+            key = (
+                tuple(mesh.mesh.shape),
+                tuple(mesh.mesh.flatten().tolist()),
+                mesh.mesh_dim_names,
+                mesh.get_coordinate(),
+            )
+            self.meshes[id(mesh)] = key
+        return key
 
 
-def _value_key(fqn: str, obj: Any, memo: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+def _value_key(fqn: str, obj: Any, intern: _Interner) -> tuple[Any, ...]:
     """What the write items of ``obj`` depend on (never its values)."""
     if isinstance(obj, DTensor):
         local = obj._local_tensor
         if not hasattr(local, "__create_write_items__"):
-            return (
-                "D",
+            props = (
                 obj.dtype,
-                tuple(obj.shape),
-                tuple(local.shape),
                 obj.placements,
-                _mesh_key(obj.device_mesh, memo),
+                intern.mesh(obj.device_mesh),
                 obj.requires_grad,
                 local.layout,
                 local.is_pinned(),
             )
+            return ("D", intern.code(props), tuple(obj.shape), tuple(local.shape))
     elif isinstance(obj, ShardedTensor):
         shards = tuple(
             (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor.dtype)
             for s in obj.local_shards()
         )
-        props = obj.metadata().tensor_properties
-        return ("S", tuple(obj.size()), props.dtype, props.requires_grad, shards)
+        tprops = obj.metadata().tensor_properties
+        return ("S", tuple(obj.size()), tprops.dtype, tprops.requires_grad, shards)
     elif type(obj) is torch.Tensor or (
         isinstance(obj, torch.Tensor) and not hasattr(obj, "__create_write_items__")
     ):
-        return ("T", obj.dtype, tuple(obj.shape), obj.requires_grad, obj.layout, obj.is_pinned())
+        code = intern.code((obj.dtype, obj.requires_grad, obj.layout, obj.is_pinned()))
+        return ("T", code, tuple(obj.shape))
     if hasattr(obj, "__create_write_items__"):
         # An unusual tensor subclass plans itself: fingerprint its items (exact, slower).
         items = obj.__create_write_items__(fqn, obj)
@@ -101,14 +117,16 @@ def structure_digest(
     Returns:
         A :data:`DIGEST_SIZE`-byte digest; equal digests mean equal local save plans.
     """
-    memo: dict[int, tuple[Any, ...]] = {}
+    intern = _Interner()
+    parts: list[tuple[Any, ...]]
     if mappings:
         parts = [
-            (fqn, mappings.get(fqn), _value_key(fqn, obj, memo)) for fqn, obj in state_dict.items()
+            (fqn, mappings.get(fqn), _value_key(fqn, obj, intern))
+            for fqn, obj in state_dict.items()
         ]
     else:
-        parts = [(fqn, None, _value_key(fqn, obj, memo)) for fqn, obj in state_dict.items()]
-    return digest(repr((context, parts)))
+        parts = [(fqn, _value_key(fqn, obj, intern)) for fqn, obj in state_dict.items()]
+    return digest(repr((context, list(intern.codes), parts)))
 
 
 def writer_key(writer: Any) -> str:
