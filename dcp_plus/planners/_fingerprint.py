@@ -1,0 +1,200 @@
+"""Structure fingerprints: a 16-byte digest of everything a DCP save plan depends on.
+
+A save plan (and the global plan and ``Metadata`` built from it) is a function of the state
+dict's *structure* only: key paths, tensor dtypes, shapes and properties, DTensor /
+ShardedTensor chunk offsets and sizes, the process group, and the storage writer's type and
+settings. It does not depend on tensor values. :func:`structure_digest` hashes exactly those
+inputs, in one cheap pass, so that a planner can reuse an earlier plan when the digest repeats.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import sys
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
+
+DIGEST_SIZE = 16
+"""Bytes in every digest (blake2b-128): collisions are not a practical concern."""
+
+_SAVER_MODULE = "torch.distributed.checkpoint.state_dict_saver"
+_SIMPLE = (bool, int, float, str, type(None), enum.Enum)
+# Writer attributes whose value changes from save to save without changing any plan.
+_PER_SAVE_WORDS = frozenset(
+    {"path", "paths", "id", "dir", "url", "uri", "prefix", "rank", "coordinator", "checkpoint"}
+)
+
+
+def digest(payload: str | bytes) -> bytes:
+    """The :data:`DIGEST_SIZE`-byte blake2b digest of ``payload``."""
+    data = payload.encode() if isinstance(payload, str) else payload
+    return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
+
+
+class _Interner:
+    """Small ints for repeated sub-keys (dtype, placements, mesh...), in first-seen order.
+
+    Keeps the per-tensor key short, which makes hashing it several times faster; the table
+    itself is hashed too, so equal digests still mean equal structures.
+    """
+
+    def __init__(self) -> None:
+        self.codes: dict[Any, int] = {}
+        self.meshes: dict[int, tuple[Any, ...]] = {}
+
+    def code(self, key: Any) -> int:
+        c = self.codes.get(key)
+        if c is None:
+            c = self.codes[key] = len(self.codes)
+        return c
+
+    def mesh(self, mesh: Any) -> tuple[Any, ...]:
+        key = self.meshes.get(id(mesh))
+        if key is None:
+            key = (
+                tuple(mesh.mesh.shape),
+                tuple(mesh.mesh.flatten().tolist()),
+                mesh.mesh_dim_names,
+                mesh.get_coordinate(),
+            )
+            self.meshes[id(mesh)] = key
+        return key
+
+
+def _value_key(fqn: str, obj: Any, intern: _Interner) -> tuple[Any, ...]:
+    """What the write items of ``obj`` depend on (never its values)."""
+    if isinstance(obj, DTensor):
+        local = obj._local_tensor
+        if not hasattr(local, "__create_write_items__"):
+            props = (
+                obj.dtype,
+                obj.placements,
+                intern.mesh(obj.device_mesh),
+                obj.requires_grad,
+                local.layout,
+                local.is_pinned(),
+            )
+            return ("D", intern.code(props), tuple(obj.shape), tuple(local.shape))
+    elif isinstance(obj, ShardedTensor):
+        shards = tuple(
+            (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor.dtype)
+            for s in obj.local_shards()
+        )
+        tprops = obj.metadata().tensor_properties
+        return ("S", tuple(obj.size()), tprops.dtype, tprops.requires_grad, shards)
+    elif type(obj) is torch.Tensor or (
+        isinstance(obj, torch.Tensor) and not hasattr(obj, "__create_write_items__")
+    ):
+        code = intern.code((obj.dtype, obj.requires_grad, obj.layout, obj.is_pinned()))
+        return ("T", code, tuple(obj.shape))
+    if hasattr(obj, "__create_write_items__"):
+        # An unusual tensor subclass plans itself: fingerprint its items (exact, slower).
+        items = obj.__create_write_items__(fqn, obj)
+        return ("X", tuple((i.index, i.type, repr(i.tensor_data)) for i in items))
+    # Non-tensor values are saved as one BYTE_IO item whatever their value or type.
+    return ("B",)
+
+
+def structure_digest(
+    state_dict: Mapping[str, Any],
+    mappings: Mapping[str, Any] | None = None,
+    context: tuple[Any, ...] = (),
+) -> bytes:
+    """Digest of the plan-relevant structure of a flattened ``state_dict``.
+
+    Args:
+        state_dict: the flattened state dict the planner plans from.
+        mappings: DCP's flatten mapping (fqn -> original key path); part of the metadata.
+        context: anything else the plan depends on (writer key, group key, planner settings).
+
+    Returns:
+        A :data:`DIGEST_SIZE`-byte digest; equal digests mean equal local save plans.
+    """
+    intern = _Interner()
+    parts: list[tuple[Any, ...]]
+    if mappings:
+        parts = [
+            (fqn, mappings.get(fqn), _value_key(fqn, obj, intern))
+            for fqn, obj in state_dict.items()
+        ]
+    else:
+        parts = [(fqn, _value_key(fqn, obj, intern)) for fqn, obj in state_dict.items()]
+    return digest(repr((context, list(intern.codes), parts)))
+
+
+def writer_key(writer: Any) -> str:
+    """The part of a storage writer that can change a save plan: its type and settings.
+
+    A writer may define ``plan_cache_key() -> str`` to state this itself. Otherwise public
+    attributes with simple values (bool, int, float, str, None, enums) count, except those
+    that differ per save (names containing a word such as ``path``, ``id``, ``rank``);
+    other public attributes count by their type.
+    """
+    if writer is None:
+        return "writer:unknown"
+    name = f"{type(writer).__module__}.{type(writer).__qualname__}"
+    custom = getattr(writer, "plan_cache_key", None)
+    if callable(custom):
+        return f"{name}:{custom()}"
+    settings = []
+    for attr, value in sorted(vars(writer).items()):
+        words = set(attr.lower().strip("_").split("_"))
+        if words & _PER_SAVE_WORDS:
+            continue
+        if isinstance(value, _SIMPLE):
+            settings.append((attr, value))
+        elif not attr.startswith("_"):
+            settings.append((attr, type(value).__qualname__))
+    return f"{name}:{settings!r}"
+
+
+def group_key(dist_wrapper: Any) -> tuple[Any, ...]:
+    """World size, rank and member ranks of the save's process group (DCP's ``_DistWrapper``)."""
+    if dist_wrapper is None:
+        return ("group:unknown",)
+    world = dist_wrapper.get_world_size()
+    group = getattr(dist_wrapper, "group", None)
+    members: tuple[int, ...] | str = "default"
+    if getattr(dist_wrapper, "use_dist", False) and group is not None:
+        members = tuple(dist.get_process_group_ranks(group))
+    return (world, dist_wrapper.rank, dist_wrapper.coordinator_rank, members)
+
+
+def find_save_context(frame: FrameType | None = None, depth: int = 8) -> tuple[Any, Any]:
+    """The ``(storage_writer, dist_wrapper)`` of the ``dcp.save`` that is calling the planner.
+
+    DCP hands a planner neither the writer nor the process group, but both are locals of the
+    ``local_step`` closure in ``_save_state_dict`` that calls ``set_up_planner`` and
+    ``create_local_plan``. Returns ``(None, None)`` when that frame is not found (a future DCP
+    or a direct call), in which case writer and group changes are not part of the key.
+    """
+    f: FrameType | None = frame if frame is not None else sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            break
+        if f.f_code.co_name == "local_step" and f.f_globals.get("__name__") == _SAVER_MODULE:
+            local = f.f_locals
+            return local.get("storage_writer"), local.get("distW")
+        f = f.f_back
+    return None, None
+
+
+def in_dcp_broadcast(depth: int = 12) -> bool:
+    """True when called (through pickling) from DCP's ``_DistWrapper.broadcast_object``."""
+    f: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if f is None:
+            return False
+        if f.f_code.co_name == "broadcast_object" and f.f_globals.get("__name__") == (
+            "torch.distributed.checkpoint.utils"
+        ):
+            return True
+        f = f.f_back
+    return False

@@ -1,0 +1,316 @@
+"""The plan cache of one :class:`~dcp_plus.planners.CachedSavePlanner` and its wire tokens.
+
+Every rank keeps, per planner instance:
+
+* ``seen``: the local-structure digests whose local plan the coordinator holds (an LRU that
+  mirrors the coordinator's ``mirror`` of this rank);
+* ``finals``: global digest -> (this rank's final plan, the global structure ``Metadata``).
+
+The coordinator also keeps ``mirror[rank]`` (local digest -> local plan) and ``globals``
+(global digest -> entry). All of these change only when a save's plan exchange has succeeded
+(in ``finish_plan``, which DCP calls on every rank or on none), with the same LRU bound, so the
+coordinator knows exactly what every rank holds and can answer a hit with a token.
+
+Caches are found by id in a per-process registry, so that a planner pickled into DCP's
+PROCESS-mode daemon on every save finds the cache it built there on earlier saves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
+
+from dcp_plus.planners._fingerprint import in_dcp_broadcast
+
+log = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+HIT = "hit"
+FULL = "full"
+
+
+class LRU(Generic[K, V]):
+    """A small least-recently-used map with a fixed number of entries."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"LRU capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._data: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        """The value for ``key`` (marking it recently used), or None."""
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+        return value
+
+    def peek(self, key: K) -> V | None:
+        """The value for ``key`` without touching the recency order."""
+        return self._data.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        """Insert or refresh ``key``, evicting the least recently used entry when full."""
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.capacity:
+            self._data.popitem(last=False)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def keys(self) -> list[K]:
+        """Keys, least recently used first."""
+        return list(self._data)
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self._data.clear()
+
+
+@dataclass(frozen=True)
+class CachePlan(SavePlan):
+    """A ``SavePlan`` that also carries cache keys through DCP's plan exchange.
+
+    Upward (rank -> coordinator) ``key`` is the rank's local digest; a ``HIT`` plan has no items
+    (the coordinator has them). Downward ``key`` is the global digest; a ``HIT`` reply has no
+    items (the rank has its final plan), a ``FULL`` reply has the items and the global
+    structure ``metadata`` for the rank to cache. Writers' ``dataclasses.replace(plan,
+    storage_data=...)`` keeps these fields.
+    """
+
+    key: bytes = b""
+    kind: str = FULL
+    metadata: Metadata | None = None
+
+
+def plain_plan(plan: SavePlan, **changes: Any) -> SavePlan:
+    """``plan`` as a stock ``SavePlan`` (cache fields dropped), with ``changes`` applied."""
+    fields = {
+        "items": plan.items,
+        "storage_data": plan.storage_data,
+        "planner_data": plan.planner_data,
+        "usable": plan.usable,
+    }
+    fields.update(changes)
+    return SavePlan(**fields)
+
+
+def structure_metadata(md: Metadata) -> Metadata:
+    """A shallow copy of ``md`` with only the structure (no storage data, meta or version)."""
+    return Metadata(
+        state_dict_metadata=dict(md.state_dict_metadata),
+        planner_data=md.planner_data,
+    )
+
+
+class CachedMetadata(Metadata):
+    """The coordinator's ``Metadata`` for one save, sent as a token in DCP's final broadcast.
+
+    Pickled anywhere else (a writer pickling the commit record, DCP's PROCESS daemon returning
+    it) it is a plain stock ``Metadata``, loadable without dcp_plus.
+    """
+
+    _global_key: bytes
+
+    @classmethod
+    def for_save(cls, md: Metadata, global_key: bytes) -> CachedMetadata:
+        """A fresh per-save copy of the cached structure ``md`` (writers mutate it)."""
+        out = cls(
+            state_dict_metadata=dict(md.state_dict_metadata),
+            planner_data=md.planner_data,
+        )
+        out._global_key = global_key
+        return out
+
+    def plain(self) -> Metadata:
+        """This metadata as a stock ``Metadata``."""
+        return Metadata(
+            state_dict_metadata=self.state_dict_metadata,
+            planner_data=self.planner_data,
+            storage_data=self.storage_data,
+            storage_meta=self.storage_meta,
+            version=self.version,
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if in_dcp_broadcast():
+            return (_expand_metadata, (self._global_key, self.storage_meta, self.version))
+        return (
+            Metadata,
+            (
+                self.state_dict_metadata,
+                self.planner_data,
+                self.storage_data,
+                self.storage_meta,
+                self.version,
+            ),
+        )
+
+
+def _expand_metadata(
+    global_key: bytes, storage_meta: StorageMeta | None, version: str | None
+) -> Metadata:
+    """Unpickle a broadcast token into the receiving rank's cached structure metadata.
+
+    The receiving thread is the one running the save, so its planner's cache is the one that
+    :func:`set_active` recorded in ``set_up_planner``.
+    """
+    cache: PlanCache | None = getattr(_active, "cache", None)
+    entry = cache.finals.peek(global_key) if cache is not None else None
+    if entry is None:
+        log.warning(
+            "no plan-cache entry %s on this rank: the Metadata dcp.save returns here is empty "
+            "(the committed checkpoint is not affected)",
+            global_key.hex(),
+        )
+        return Metadata({}, storage_meta=storage_meta, version=version)
+    md = entry[1]
+    return Metadata(
+        state_dict_metadata=md.state_dict_metadata,
+        planner_data=md.planner_data,
+        storage_meta=storage_meta,
+        version=version,
+    )
+
+
+@dataclass
+class GlobalEntry:
+    """The coordinator's record of one planned combination of local structures."""
+
+    local_keys: tuple[bytes, ...]
+    metadata: Metadata
+
+
+@dataclass
+class Pending:
+    """Cache updates of the save in flight, applied by ``commit`` once planning succeeded."""
+
+    local_key: bytes
+    global_key: bytes = b""
+    final: tuple[SavePlan, Metadata] | None = None
+    mirror: list[tuple[int, bytes, SavePlan | None]] = field(default_factory=list)
+    """(rank, local digest, local plan to store, or None to mark it recently used)."""
+    global_entry: GlobalEntry | None = None
+
+
+class PlanCache:
+    """Cache state of one planner instance in one process (see the module docstring)."""
+
+    def __init__(self, cache_id: str, capacity: int) -> None:
+        self.cache_id = cache_id
+        self.capacity = capacity
+        self.seen: LRU[bytes, bool] = LRU(capacity)
+        self.finals: LRU[bytes, tuple[SavePlan, Metadata]] = LRU(capacity)
+        self.mirror: dict[int, LRU[bytes, SavePlan]] = {}
+        self.globals: LRU[bytes, GlobalEntry] = LRU(capacity)
+        self.pending: Pending | None = None
+        self.in_flight = False
+        self.hits = 0
+        self.misses = 0
+        self.last_hit = False
+
+    def clear(self) -> None:
+        """Forget everything (after a save whose plan exchange failed)."""
+        self.seen.clear()
+        self.finals.clear()
+        self.mirror.clear()
+        self.globals.clear()
+        self.pending = None
+
+    def mirror_of(self, rank: int) -> LRU[bytes, SavePlan]:
+        """The coordinator's copy of what ``rank`` has sent."""
+        m = self.mirror.get(rank)
+        if m is None:
+            m = self.mirror[rank] = LRU(self.capacity)
+        return m
+
+    def commit(self) -> None:
+        """Apply the pending updates of a save whose plan exchange succeeded."""
+        p = self.pending
+        self.pending = None
+        if p is None:
+            return
+        if not p.global_key:
+            return
+        self.seen.put(p.local_key, True)
+        if p.final is not None:
+            self.finals.put(p.global_key, p.final)
+        else:
+            self.finals.get(p.global_key)
+        for rank, key, plan in p.mirror:
+            m = self.mirror_of(rank)
+            if plan is not None:
+                m.put(key, plan)
+            else:
+                m.get(key)
+        if p.global_entry is not None:
+            self.globals.put(p.global_key, p.global_entry)
+        else:
+            self.globals.get(p.global_key)
+
+
+_active = threading.local()
+
+
+def set_active(cache: PlanCache) -> None:
+    """Record ``cache`` as the one of the save running in this thread."""
+    _active.cache = cache
+
+
+_lock = threading.Lock()
+_registry: weakref.WeakValueDictionary[str, PlanCache] = weakref.WeakValueDictionary()
+_pinned: OrderedDict[str, PlanCache] = OrderedDict()
+MAX_PINNED = 16
+"""Caches of unpickled planners kept alive per process (PROCESS-mode daemons)."""
+
+
+def lookup(cache_id: str) -> PlanCache | None:
+    """The live cache with this id in this process, if any."""
+    with _lock:
+        return _registry.get(cache_id)
+
+
+def register(cache_id: str, capacity: int, pin: bool) -> PlanCache:
+    """The cache with this id in this process, created if needed.
+
+    ``pin`` keeps it alive after its planner is gone: a planner unpickled into DCP's daemon
+    lives for one save only, its cache must outlive it. At most :data:`MAX_PINNED` are pinned.
+    """
+    with _lock:
+        cache = _registry.get(cache_id)
+        if cache is None:
+            cache = PlanCache(cache_id, capacity)
+            _registry[cache_id] = cache
+        if pin:
+            _pinned[cache_id] = cache
+            _pinned.move_to_end(cache_id)
+            while len(_pinned) > MAX_PINNED:
+                _pinned.popitem(last=False)
+        return cache
+
+
+__all__ = [
+    "FULL",
+    "HIT",
+    "CachePlan",
+    "CachedMetadata",
+    "LRU",
+    "PlanCache",
+    "lookup",
+    "register",
+    "set_active",
+]

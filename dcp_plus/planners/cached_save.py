@@ -1,0 +1,264 @@
+"""CachedSavePlanner: DCP's default save planning, done once per state-dict structure."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan
+
+from dcp_plus.errors import DcpPlusError
+from dcp_plus.planners._fingerprint import (
+    digest,
+    find_save_context,
+    group_key,
+    structure_digest,
+    writer_key,
+)
+from dcp_plus.planners.cache import (
+    FULL,
+    HIT,
+    CachedMetadata,
+    CachePlan,
+    GlobalEntry,
+    Pending,
+    PlanCache,
+    plain_plan,
+    register,
+    set_active,
+    structure_metadata,
+)
+
+log = logging.getLogger(__name__)
+
+# Per-save state that must never travel into DCP's PROCESS-mode daemon.
+_TRANSIENT = ("state_dict", "plan", "global_plan", "metadata", "_cache", "_local_key")
+
+
+class PlanCacheError(DcpPlusError, RuntimeError):
+    """Ranks disagree about what the plan cache holds (caches are dropped; save again)."""
+
+
+class CachedSavePlanner(DefaultSavePlanner):
+    """A ``DefaultSavePlanner`` that plans once per state-dict structure and then reuses it.
+
+    Same deduplication and resharding semantics as DCP's ``DefaultSavePlanner`` (it calls its
+    planning code on a miss). Each rank fingerprints its flattened state dict (key paths,
+    dtypes, shapes, DTensor / ShardedTensor chunks, process group, writer type and settings);
+    when every rank's fingerprint matches an earlier save, the plan exchange and DCP's final
+    metadata broadcast carry a 16-byte key per rank instead of the plans, and no plan is
+    rebuilt. Any change on any rank replans on all ranks.
+
+    The cache belongs to this instance (two planners never share entries), holds
+    ``cache_size`` structures (least recently used evicted), and survives DCP's PROCESS
+    executor, which pickles the planner into its daemon on every save.
+
+    Use one instance per job (or per kind of save) and do not run two saves with the same
+    instance concurrently.
+
+    Args:
+        flatten_state_dict: as in ``DefaultSavePlanner``.
+        flatten_sharded_tensors: as in ``DefaultSavePlanner``.
+        dedup_save_to_lowest_rank: as in ``DefaultSavePlanner``.
+        cache_size: structures remembered (>= 1); 2 covers alternating full / model-only saves.
+    """
+
+    def __init__(
+        self,
+        flatten_state_dict: bool = True,
+        flatten_sharded_tensors: bool = True,
+        dedup_save_to_lowest_rank: bool = False,
+        *,
+        cache_size: int = 4,
+    ) -> None:
+        super().__init__(
+            flatten_state_dict=flatten_state_dict,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+            dedup_save_to_lowest_rank=dedup_save_to_lowest_rank,
+            enable_plan_caching=False,
+        )
+        if cache_size < 1:
+            raise ValueError(f"CachedSavePlanner cache_size must be >= 1, got {cache_size}")
+        self.cache_size = cache_size
+        self._cache_id = uuid.uuid4().hex
+        self._cache: PlanCache = register(self._cache_id, cache_size, pin=False)
+        self._local_key = b""
+
+    # -- pickling (DCP's PROCESS executor) -------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in _TRANSIENT}
+        state["mappings"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local_key = b""
+        # In DCP's daemon this object lives for one save; its cache must live on.
+        self._cache = register(self._cache_id, self.cache_size, pin=True)
+
+    # -- introspection ---------------------------------------------------------------------
+
+    @property
+    def cache(self) -> PlanCache:
+        """This planner's cache in this process (hit/miss counters, entries)."""
+        return self._cache
+
+    @property
+    def last_was_hit(self) -> bool:
+        """Whether the last save's plan came from the cache on every rank."""
+        return self._cache.last_hit
+
+    # -- SavePlanner protocol --------------------------------------------------------------
+
+    def set_up_planner(
+        self,
+        state_dict: STATE_DICT_TYPE,
+        storage_meta: StorageMeta | None = None,
+        is_coordinator: bool = False,
+    ) -> None:
+        """Flatten ``state_dict`` as DCP does; drop the cache if the last planning failed."""
+        cache = self._cache
+        if cache.in_flight:
+            log.warning(
+                "the previous save with this CachedSavePlanner failed during planning; "
+                "dropping its plan cache on this rank (all ranks do the same)"
+            )
+            cache.clear()
+        cache.in_flight = True
+        cache.pending = None
+        set_active(cache)
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+
+    def _context(self) -> tuple[Any, ...]:
+        writer, dist_wrapper = find_save_context()
+        return (
+            writer_key(writer),
+            group_key(dist_wrapper),
+            self.is_coordinator,
+            self.flatten_state_dict,
+            self.flatten_sharded_tensors,
+            self.dedup_save_to_lowest_rank,
+            torch.__version__,
+        )
+
+    def create_local_plan(self) -> SavePlan:
+        """A ``HIT`` token if the coordinator already holds this structure's local plan."""
+        key = structure_digest(
+            self.state_dict, self.mappings if self.flatten_state_dict else None, self._context()
+        )
+        self._local_key = key
+        self._cache.pending = Pending(local_key=key)
+        if key in self._cache.seen:
+            plan: SavePlan = CachePlan([], key=key, kind=HIT)
+        else:
+            local = super().create_local_plan()
+            plan = CachePlan(local.items, planner_data=local.planner_data, key=key, kind=FULL)
+        self.plan = plan
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """Answer with tokens when the combination is cached; otherwise plan as DCP does."""
+        cache = self._cache
+        pending = cache.pending
+        if pending is None:  # called without create_local_plan on this rank: plan uncached
+            pending = cache.pending = Pending(local_key=b"")
+        cacheable = all(isinstance(p, CachePlan) and p.key for p in all_plans)
+        if not cacheable:
+            log.warning("a local plan lost its cache key (writer rebuilt it?): not caching")
+            return self._plan_uncached(all_plans)
+
+        plans = [p for p in all_plans if isinstance(p, CachePlan)]
+        keys = tuple(p.key for p in plans)
+        global_key = digest(b"".join(keys) + len(keys).to_bytes(4, "little"))
+        pending.global_key = global_key
+        entry = cache.globals.peek(global_key)
+        pending.mirror = [(r, p.key, None) for r, p in enumerate(plans) if p.kind == HIT]
+
+        if entry is not None and entry.local_keys == keys and all(p.kind == HIT for p in plans):
+            replies: list[SavePlan] = [
+                CachePlan([], storage_data=p.storage_data, key=global_key, kind=HIT)
+                for p in plans
+            ]
+            md = CachedMetadata.for_save(entry.metadata, global_key)
+            self.global_plan, self.metadata = replies, md
+            return replies, md
+
+        local_plans = []
+        for rank, p in enumerate(plans):
+            if p.kind == HIT:
+                known = cache.mirror_of(rank).peek(p.key)
+                if known is None:
+                    raise PlanCacheError(
+                        f"rank {rank} sent plan-cache key {p.key.hex()} that the coordinator "
+                        "does not hold; every rank drops its plan cache, save again"
+                    )
+                local_plans.append(dataclasses.replace(known, storage_data=p.storage_data))
+            else:
+                local_plans.append(plain_plan(p))
+                pending.mirror.append((rank, p.key, plain_plan(p, storage_data=None)))
+
+        global_plan, metadata = self._create_global_plan(local_plans)
+        struct = structure_metadata(metadata)
+        pending.global_entry = GlobalEntry(keys, struct)
+        replies = [
+            CachePlan(
+                g.items,
+                storage_data=g.storage_data,
+                planner_data=g.planner_data,
+                key=global_key,
+                kind=FULL,
+                metadata=struct,
+            )
+            for g in global_plan
+        ]
+        md = CachedMetadata.for_save(struct, global_key)
+        self.global_plan, self.metadata = replies, md
+        return replies, md
+
+    def _plan_uncached(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        if any(isinstance(p, CachePlan) and p.kind == HIT for p in all_plans):
+            raise PlanCacheError(
+                "a rank sent a plan-cache token but another rank's plan has no cache key; "
+                "every rank drops its plan cache, save again"
+            )
+        global_plan, metadata = self._create_global_plan([plain_plan(p) for p in all_plans])
+        self.global_plan = [plain_plan(p) for p in global_plan]
+        self.metadata = metadata
+        return self.global_plan, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """Expand a ``HIT`` reply from the cache; record a ``FULL`` reply for next time."""
+        cache = self._cache
+        cache.in_flight = False
+        pending = cache.pending
+        if pending is None or not isinstance(new_plan, CachePlan) or not new_plan.key:
+            cache.pending = None
+            self.plan = plain_plan(new_plan) if isinstance(new_plan, CachePlan) else new_plan
+            return self.plan
+        pending.global_key = new_plan.key
+        if new_plan.kind == HIT:
+            entry = cache.finals.peek(new_plan.key)
+            if entry is None:
+                cache.clear()
+                raise PlanCacheError(
+                    f"the coordinator answered with plan-cache key {new_plan.key.hex()} that "
+                    "this rank does not hold; its cache is dropped, save again"
+                )
+            plan = dataclasses.replace(entry[0], storage_data=new_plan.storage_data)
+            cache.hits += 1
+            cache.last_hit = True
+        else:
+            plan = plain_plan(new_plan)
+            if new_plan.metadata is not None:
+                pending.final = (plan, new_plan.metadata)
+            cache.misses += 1
+            cache.last_hit = False
+        cache.commit()
+        self.plan = plan
+        return plan

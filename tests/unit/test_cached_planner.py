@@ -1,0 +1,173 @@
+"""CachedSavePlanner in one process: fingerprints, writer keys, LRU, pickling, hit/miss."""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+
+from dcp_plus.planners._fingerprint import structure_digest, writer_key
+from dcp_plus.planners.cache import LRU, CachedMetadata
+from dcp_plus.planners.cached_save import CachedSavePlanner
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _sd(n: int = 5, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    return {"model": {f"w{i}": torch.full((4, 2), float(i), dtype=dtype) for i in range(n)},
+            "step": 3}
+
+
+def _flat(sd: dict[str, Any]) -> dict[str, Any]:
+    return {f"model.{k}": v for k, v in sd["model"].items()} | {"step": sd["step"]}
+
+
+def _save(sd: dict[str, Any], path: Path, planner: Any, writer: Any = None) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=writer or FileSystemWriter(path), planner=planner,
+                 no_dist=True)
+
+
+def test_fingerprint_ignores_values_and_non_tensor_types() -> None:
+    a, b = _sd(), _sd()
+    b["model"]["w0"].add_(5)
+    b["step"] = "a string now"
+    assert structure_digest(_flat(a)) == structure_digest(_flat(b))
+
+
+@pytest.mark.parametrize("change", ["dtype", "shape", "new_key", "requires_grad", "to_bytes"])
+def test_fingerprint_changes_with_every_plan_input(change: str) -> None:
+    a, b = _sd(), _sd()
+    if change == "dtype":
+        b["model"]["w1"] = b["model"]["w1"].bfloat16()
+    elif change == "shape":
+        b["model"]["w1"] = b["model"]["w1"].reshape(8)
+    elif change == "new_key":
+        b["model"]["extra"] = torch.zeros(1)
+    elif change == "requires_grad":
+        b["model"]["w1"].requires_grad_(True)
+    else:
+        b["model"]["w1"] = [1, 2]
+    assert structure_digest(_flat(a)) != structure_digest(_flat(b))
+
+
+def test_fingerprint_covers_key_paths_and_context() -> None:
+    flat = _flat(_sd())
+    paths = {k: tuple(k.split(".")) for k in flat}
+    assert structure_digest(flat, paths) != structure_digest(flat, {k: (k,) for k in flat})
+    assert structure_digest(flat, context=(2,)) != structure_digest(flat, context=(4,))
+
+
+def test_writer_key_ignores_paths_but_sees_type_and_settings(tmp_path: Path) -> None:
+    class Other(FileSystemWriter):
+        pass
+
+    base = writer_key(FileSystemWriter(tmp_path / "a"))
+    assert writer_key(FileSystemWriter(tmp_path / "b")) == base
+    assert writer_key(FileSystemWriter(tmp_path / "a", thread_count=3)) != base
+    assert writer_key(Other(tmp_path / "a")) != base
+
+    class Declared(FileSystemWriter):
+        def plan_cache_key(self) -> str:
+            return "v1"
+
+    assert writer_key(Declared(tmp_path / "a")).endswith(":v1")
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    lru: LRU[str, int] = LRU(2)
+    lru.put("a", 1)
+    lru.put("b", 2)
+    assert lru.get("a") == 1
+    lru.put("c", 3)
+    assert "b" not in lru and lru.keys() == ["a", "c"]
+    with pytest.raises(ValueError):
+        LRU(0)
+
+
+def test_second_save_is_a_hit_and_loads_bit_exact(tmp_path: Path) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    assert not planner.last_was_hit
+    sd["model"]["w2"].mul_(3)
+    _save(sd, tmp_path / "1", planner)
+    assert planner.last_was_hit
+    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "1"), no_dist=True)
+    assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+    assert out["step"] == 3
+
+
+def test_dtype_switch_replans_and_the_record_says_bfloat16(tmp_path: Path) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    _save(sd, tmp_path / "1", planner)
+    sd["model"]["w0"] = sd["model"]["w0"].bfloat16()
+    _save(sd, tmp_path / "2", planner)
+    assert not planner.last_was_hit
+    md = FileSystemReader(tmp_path / "2").read_metadata()
+    assert md.state_dict_metadata["model.w0"].properties.dtype == torch.bfloat16
+
+
+def test_two_planners_never_share_entries(tmp_path: Path) -> None:
+    sd, first, second = _sd(), CachedSavePlanner(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", first)
+    _save(sd, tmp_path / "1", second)
+    assert not second.last_was_hit and second.cache is not first.cache
+
+
+def test_commit_record_pickles_as_stock_metadata() -> None:
+    md = CachedMetadata.for_save(Metadata({"x": None}, planner_data={"x": ("x",)}), b"k" * 16)  # type: ignore[dict-item]
+    blob = pickle.dumps(md)
+    assert b"dcp_plus" not in blob
+    back = pickle.loads(blob)
+    assert type(back) is Metadata and back.planner_data == {"x": ("x",)}
+
+
+def test_pickled_planner_carries_no_state_and_finds_its_cache(tmp_path: Path) -> None:
+    sd, planner = _sd(200), CachedSavePlanner(cache_size=3)
+    _save(sd, tmp_path / "0", planner)
+    blob = pickle.dumps(planner)
+    assert len(blob) < 1024
+    clone = pickle.loads(blob)
+    assert clone.cache is planner.cache and clone.cache_size == 3
+    _save(sd, tmp_path / "1", clone)
+    assert clone.last_was_hit
+
+
+class _FailOnce(FileSystemWriter):
+    failed = True
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if not _FailOnce.failed:
+            _FailOnce.failed = True
+            raise OSError("injected")
+        return super().prepare_global_plan(plans)
+
+
+def test_a_save_that_fails_in_planning_drops_the_cache(tmp_path: Path) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner, _FailOnce(tmp_path / "0"))
+    _save(sd, tmp_path / "1", planner, _FailOnce(tmp_path / "1"))
+    with pytest.raises(CheckpointException):
+        _FailOnce.failed = False
+        _save(sd, tmp_path / "2", planner, _FailOnce(tmp_path / "2"))
+    _save(sd, tmp_path / "3", planner, _FailOnce(tmp_path / "3"))
+    assert not planner.last_was_hit
+    _save(sd, tmp_path / "4", planner, _FailOnce(tmp_path / "4"))
+    assert planner.last_was_hit
+
+
+def test_cache_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="cache_size"):
+        CachedSavePlanner(cache_size=0)
