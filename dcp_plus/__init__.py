@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "CachedSavePlanner": "dcp_plus.planners",
     "ArenaStager": "dcp_plus.stagers",
     "LocalWriter": "dcp_plus.writers",
     "LocalReader": "dcp_plus.readers",
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
         UnsafeValueError,
         WorkerError,
     )
-    from dcp_plus.planners import SafeLoadPlanner
+    from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
     from dcp_plus.readers import LocalReader
     from dcp_plus.stagers import ArenaStager
     from dcp_plus.writers import LocalWriter

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from tqdm import tqdm
 
-from dcp_plus.planners import SafeLoadPlanner
+from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.readers import LocalReader
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.writers import LocalWriter
@@ -99,6 +99,7 @@ def run(root: str = "./checkpoints", steps: int = 20, every: int = 5,
     model, opt = build()
     stager = ArenaStager()
     stager.guard(opt)  # optimizer.step() waits until the snapshot in flight is complete
+    planner = CachedSavePlanner()  # plans once, reuses the plan while the structure holds
     timings: list[SaveTiming] = []
     expected: dict[str, Any] = {}
     pending: Any = None
@@ -115,7 +116,7 @@ def run(root: str = "./checkpoints", steps: int = 20, every: int = 5,
             expected = copy.deepcopy(state)
             t0 = time.perf_counter()
             resp = dcp.async_save(state, storage_writer=LocalWriter(path), async_stager=stager,
-                                  no_dist=True)
+                                  planner=planner, no_dist=True)
             blocking = time.perf_counter() - t0
             upload = resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp
             t_step = step

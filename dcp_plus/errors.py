@@ -45,3 +45,7 @@ class CapacityError(DcpPlusError, MemoryError):
 
 class ClosedError(DcpPlusError, RuntimeError):
     """The object was used after ``close()``."""
+
+
+class PlanCacheError(DcpPlusError, RuntimeError):
+    """Ranks disagree about what the plan cache holds (caches are dropped; save again)."""

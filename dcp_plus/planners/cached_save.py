@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_plus.errors import DcpPlusError
+from dcp_plus.errors import PlanCacheError
 from dcp_plus.planners._fingerprint import (
     digest,
     find_save_context,
@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 
 # Per-save state that must never travel into DCP's PROCESS-mode daemon.
 _TRANSIENT = ("state_dict", "plan", "global_plan", "metadata", "_cache", "_local_key")
-
-
-class PlanCacheError(DcpPlusError, RuntimeError):
-    """Ranks disagree about what the plan cache holds (caches are dropped; save again)."""
 
 
 class CachedSavePlanner(DefaultSavePlanner):
