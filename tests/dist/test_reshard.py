@@ -112,6 +112,8 @@ def _load_and_check(rank: int, world: int, path: str, swap: bool) -> dict[str, A
     for name, t in full.items():
         assert_bit_exact(target["model"][name].to_local(),
                          _expected_local(t, dims[name], rank, world), f"model.{name}")
+        # and reassembled by DTensor itself (an all-gather over the loaded shards)
+        assert_bit_exact(target["model"][name].full_tensor(), t, f"model.{name} (full)")
     assert_bit_exact(target["slabbed"].to_local(),
                      _expected_local(_slabbed_full(4), int(swap), rank, world), "slabbed")
     assert_bit_exact(target["replicated"], full["float64"], "replicated")

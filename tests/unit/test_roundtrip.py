@@ -77,11 +77,16 @@ def test_loading_a_subset_of_keys_reads_only_those(tmp_path, state_dict):
 @pytest.mark.parametrize("executor", [AsyncCheckpointerType.THREAD,
                                       AsyncCheckpointerType.PROCESS], ids=lambda e: e.value)
 def test_async_save_is_bit_exact_with_the_state_at_the_call(tmp_path, state_dict, executor,
-                                                            gloo_single_rank):
+                                                            request):
+    # THREAD runs without torch.distributed; PROCESS needs an initialized group (its daemon
+    # joins one built from the caller's)
+    process = executor == AsyncCheckpointerType.PROCESS
+    if process:
+        request.getfixturevalue("gloo_single_rank")
     expected = clone_state(state_dict)
 
     result = dcp.async_save(state_dict, storage_writer=LocalWriter(tmp_path / "ckpt"),
-                            async_checkpointer_type=executor)
+                            async_checkpointer_type=executor, no_dist=not process)
     # training continues while the upload runs: the checkpoint must not see this
     with torch.no_grad():
         state_dict["dtypes"]["float32"].add_(1.0)
