@@ -31,15 +31,6 @@ DTYPES = [
 ]
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    # pytest's default norecursedirs contains "dist": without this, `pytest tests` (and
-    # `make test`) would silently skip the multi-process suite in tests/dist
-    if collection_path == ROOT / "tests" / "dist":
-        return False
-    return None
-
-
 def pytest_configure(config: pytest.Config) -> None:
     # single-process dcp.save/load(no_dist=True) warns on every call
     config.addinivalue_line(

@@ -91,7 +91,10 @@ def verify(path: str, progress: Callable[[int], None] | None = None) -> VerifyRe
             continue
         try:
             size = os.fstat(fd).st_size
+            covered = 0
             for index, ext in sorted(entries, key=lambda e: e[1].offset):
+                _check_padding(fd, full, covered, min(ext.offset, size), report)
+                covered = max(covered, ext.offset + ext.length)
                 report.extents += 1
                 if ext.length and ext.offset + ext.length > size:
                     report.problems.append(
@@ -107,6 +110,18 @@ def verify(path: str, progress: Callable[[int], None] | None = None) -> VerifyRe
                 report.bytes += ext.length
                 if progress is not None:
                     progress(ext.length)
+            _check_padding(fd, full, covered, size, report)
         finally:
             os.close(fd)
     return report
+
+
+def _check_padding(fd: int, path: str, start: int, end: int, report: VerifyReport) -> None:
+    """Bytes between extents are alignment padding, written as zeros: anything else is damage."""
+    if end <= start:
+        return
+    buf = memoryview(bytearray(end - start))
+    preadinto_all(fd, buf, start, path)
+    if any(buf):
+        report.problems.append(f"{path}: padding bytes {start}..{end} (outside every extent) "
+                               "are not zero: the data file is damaged")
