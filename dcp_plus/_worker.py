@@ -19,7 +19,9 @@ from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.fileio import pwrite_all
 
 SHM_DIR = "/dev/shm"
-COALESCE_GAP = 64 << 10
+# Only alignment padding (< 4 KiB, zeros in a stager slab) is written between extents: a
+# larger gap may hold a tensor this rank does not write, which `verify` would flag as damage.
+COALESCE_GAP = 4095
 
 
 @dataclass(frozen=True)
