@@ -70,10 +70,7 @@ def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -
             items[fqn] = {"kind": "bytes"}
         else:
             raise CheckpointFormatError(f"cannot record {fqn!r}: unknown metadata {type(md)}")
-    table = [
-        {"fqn": idx.fqn, "chunk": None if idx.offset is None else list(idx.offset), **asdict(ext)}
-        for idx, ext in extents.items()
-    ]
+    table = encode_extents(extents)
     sm = metadata.storage_meta
     record = {
         "format": FORMAT_NAME,
@@ -88,6 +85,14 @@ def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -
         "extents": table,
     }
     return json.dumps(record, separators=(",", ":")).encode()
+
+
+def encode_extents(extents: Mapping[MetadataIndex, Extent]) -> list[dict[str, Any]]:
+    """The JSON rows of an extent table (the record's ``extents`` field)."""
+    return [
+        {"fqn": idx.fqn, "chunk": None if idx.offset is None else list(idx.offset), **asdict(ext)}
+        for idx, ext in extents.items()
+    ]
 
 
 def _encode_planner_data(planner_data: Any) -> Any:
@@ -190,26 +195,7 @@ def decode_record(data: bytes, source: str) -> Metadata:
         else:
             raise p.fail(f"{where}.kind", f"unknown kind {kind!r}")
 
-    storage: dict[MetadataIndex, Extent] = {}
-    for i, entry in enumerate(p.get(root, "extents", list, "")):
-        where = f"extents[{i}]"
-        fqn = p.get(entry, "fqn", str, where)
-        if fqn not in sd_md:
-            raise p.fail(f"{where}.fqn", f"{fqn!r} is not an item of this checkpoint")
-        chunk = p.get(entry, "chunk", (list, type(None)), where)
-        if chunk is not None:
-            chunk = p.ints(entry, "chunk", where)
-        ext = Extent(
-            file=p.relative_path(p.get(entry, "file", str, where), f"{where}.file"),
-            offset=p.get(entry, "offset", int, where),
-            length=p.get(entry, "length", int, where),
-            raw_length=p.get(entry, "raw_length", int, where),
-            codec=p.get(entry, "codec", str, where),
-            checksum=p.get(entry, "checksum", str, where),
-        )
-        if min(ext.offset, ext.length, ext.raw_length) < 0:
-            raise p.fail(where, "negative offset or length")
-        storage[MetadataIndex(fqn, chunk)] = ext
+    storage = _decode_extents(p, p.get(root, "extents", list, ""), set(sd_md))
 
     planner_data = root.get("planner_data")
     if planner_data is not None:
@@ -238,3 +224,51 @@ def decode_record(data: bytes, source: str) -> Metadata:
         raise p.fail("dcp_version", f"expected a string or null, got {type(dcp_version).__name__}")
     return Metadata(state_dict_metadata=sd_md, planner_data=planner_data,
                     storage_data=storage, storage_meta=storage_meta, version=dcp_version)
+
+
+def _decode_extents(p: _Parser, rows: list[Any], known: set[str] | None,
+                    field: str = "extents") -> dict[MetadataIndex, Extent]:
+    storage: dict[MetadataIndex, Extent] = {}
+    for i, entry in enumerate(rows):
+        where = f"{field}[{i}]"
+        fqn = p.get(entry, "fqn", str, where)
+        if known is not None and fqn not in known:
+            raise p.fail(f"{where}.fqn", f"{fqn!r} is not an item of this checkpoint")
+        chunk = p.get(entry, "chunk", (list, type(None)), where)
+        if chunk is not None:
+            chunk = p.ints(entry, "chunk", where)
+        ext = Extent(
+            file=p.relative_path(p.get(entry, "file", str, where), f"{where}.file"),
+            offset=p.get(entry, "offset", int, where),
+            length=p.get(entry, "length", int, where),
+            raw_length=p.get(entry, "raw_length", int, where),
+            codec=p.get(entry, "codec", str, where),
+            checksum=p.get(entry, "checksum", str, where),
+        )
+        if min(ext.offset, ext.length, ext.raw_length) < 0:
+            raise p.fail(where, "negative offset or length")
+        storage[MetadataIndex(fqn, chunk)] = ext
+    return storage
+
+
+EXTENT_TABLE_FORMAT = "dcp_plus-extents"
+
+
+def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
+    """One rank's extents, exchanged through storage instead of the process group."""
+    return json.dumps({"format": EXTENT_TABLE_FORMAT, "version": FORMAT_VERSION,
+                       "extents": encode_extents(extents)}, separators=(",", ":")).encode()
+
+
+def decode_extent_table(data: bytes, source: str) -> dict[MetadataIndex, Extent]:
+    """Parse :func:`encode_extent_table` output strictly (errors name field and ``source``)."""
+    p = _Parser(source)
+    try:
+        root = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFormatError(f"{source}: not an extent table ({e})") from None
+    if p.get(root, "format", str, "") != EXTENT_TABLE_FORMAT:
+        raise p.fail("format", f"expected {EXTENT_TABLE_FORMAT!r}")
+    if p.get(root, "version", int, "") != FORMAT_VERSION:
+        raise p.fail("version", f"unsupported version; expected {FORMAT_VERSION}")
+    return _decode_extents(p, p.get(root, "extents", list, ""), None)
