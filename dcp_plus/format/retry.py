@@ -32,8 +32,9 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     try:
         from botocore import exceptions as be
 
-        kinds += [be.HTTPClientError, be.ConnectionError, be.IncompleteReadError,
-                  be.ResponseParserError]
+        kinds += [getattr(be, n) for n in ("HTTPClientError", "ConnectionError",
+                                           "IncompleteReadError", "ResponseStreamingError")
+                  if hasattr(be, n)]
     except ImportError:
         pass
     try:
@@ -107,13 +108,16 @@ async def retry_async(fn: Callable[[int], Awaitable[T]], policy: RetryPolicy, wh
     """Await ``fn(attempt)`` until it succeeds, a non-retryable error occurs, or retries run out.
 
     Raises:
-        StorageError: naming ``what``, the attempts made and the last error.
+        StorageError: naming ``what``, the attempts made and the last error, for a request
+            that failed with an HTTP error or kept failing; other exceptions pass unchanged.
     """
     attempt = 0
     while True:
         try:
             return await fn(attempt)
         except Exception as e:
+            if not is_retryable(e) and error_status(e) == (None, None):
+                raise  # not a failed request (e.g. EOFError, FileNotFoundError): as it is
             if not is_retryable(e) or attempt >= policy.max_retries:
                 raise policy.give_up(what, e, attempt + 1) from e
             delay = policy.delay(attempt)
@@ -130,6 +134,8 @@ def retry_sync(fn: Callable[[int], T], policy: RetryPolicy, what: str) -> T:
         try:
             return fn(attempt)
         except Exception as e:
+            if not is_retryable(e) and error_status(e) == (None, None):
+                raise  # not a failed request (e.g. EOFError, FileNotFoundError): as it is
             if not is_retryable(e) or attempt >= policy.max_retries:
                 raise policy.give_up(what, e, attempt + 1) from e
             delay = policy.delay(attempt)
