@@ -208,3 +208,22 @@ def test_wrong_secret_fails_without_retrying(seaweed: SeaweedServer, prefix: str
     opts = seaweed.storage_options(secret="not-the-secret")
     with pytest.raises(BaseException, match=r"after 1 attempt\(s\) \(HTTP 403 SignatureDoesNot"):
         dcp.load({"w": torch.zeros(10)}, storage_reader=ObjectStoreReader(url, opts))
+
+
+def test_two_gloo_ranks_save_per_rank_objects_and_one_record(seaweed: SeaweedServer,
+                                                             prefix: str) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.dist._ranks import rank_state, save_two_ranks
+    from tests.dist._seaweed import free_ports
+
+    url = f"s3://{BUCKET}/{prefix}"
+    (port,) = free_ports(1)
+    mp.spawn(save_two_ranks, args=(2, port, url, seaweed.storage_options()), nprocs=2)
+    names = keys(seaweed, prefix)
+    assert ".metadata" in names
+    assert {n.split("_")[2] for n in names if n.endswith(".dcpp")} == {"0", "1"}
+    expected = {**rank_state(0), **rank_state(1)}
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
+    assert_bit_exact(expected, out)
