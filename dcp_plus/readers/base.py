@@ -3,6 +3,8 @@
 Extents are grouped per data file, sorted by offset and cut into batches; a batch is read by
 the subclass's :meth:`ExtentReader._fill` straight into the destination tensors (or into a
 staging buffer when a stored chunk is resharded), then checksummed and handed to the planner.
+Compressed extents are read into a buffer of their stored size, checksummed, and decoded
+(frames in parallel) into the destination.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.record import RECORD_NAME, Extent
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import verify_checksum
@@ -146,14 +149,38 @@ class ExtentReader(StorageReader):
 
     def _destination(self, index: MetadataIndex, reqs: list[ReadItem],
                      planner: LoadPlanner) -> tuple[memoryview, Callable[[], None]]:
-        """A buffer to read the extent into and a callback that delivers it to the planner."""
+        """A buffer to read the stored extent into and a callback that delivers it."""
         ext = self._extent(index)
+        if ext.codec == "identity":
+            if ext.length != ext.raw_length:
+                raise CheckpointFormatError(
+                    f"{self._location(ext.file)}: {describe(index)}: identity extent with "
+                    f"length {ext.length} != raw_length {ext.raw_length}")
+            return self._raw_destination(index, ext, reqs, planner)
+        try:
+            codec = get_codec(ext.codec)
+        except KeyError as e:
+            raise CheckpointFormatError(f"{self._location(ext.file)}: {describe(index)}: "
+                                        f"{e.args[0]}") from None
+        raw_view, deliver = self._raw_destination(index, ext, reqs, planner)
+        stored = memoryview(bytearray(ext.length))
+
+        def decode_and_deliver() -> None:
+            try:
+                codec.decode_into(stored, raw_view)
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"{self._location(ext.file)}: {describe(index)}: cannot decode "
+                    f"{ext.codec} extent: {e}") from None
+            deliver()
+        return stored, decode_and_deliver
+
+    def _raw_destination(self, index: MetadataIndex, ext: Extent, reqs: list[ReadItem],
+                         planner: LoadPlanner) -> tuple[memoryview, Callable[[], None]]:
+        """A buffer for the extent's raw bytes and a callback that delivers them."""
         where = self._location(ext.file)
-        if ext.codec != "identity":
-            raise CheckpointFormatError(f"{where}: {describe(index)}: codec "
-                                        f"{ext.codec!r} is not supported by this reader")
         if reqs[0].type == LoadItemType.BYTE_IO:
-            raw = bytearray(ext.length)
+            raw = bytearray(ext.raw_length)
 
             def deliver_bytes() -> None:
                 if not self.allow_pickle:
@@ -164,9 +191,9 @@ class ExtentReader(StorageReader):
 
         dtype, sizes = self._chunks[index]
         nbytes = math.prod(sizes) * dtype.itemsize
-        if nbytes != ext.length:
+        if nbytes != ext.raw_length:
             raise CheckpointFormatError(
-                f"{where}: {describe(index)}: extent holds {ext.length} bytes, "
+                f"{where}: {describe(index)}: extent holds {ext.raw_length} bytes, "
                 f"but {dtype} {list(sizes)} needs {nbytes}")
         req = reqs[0]
         if len(reqs) == 1 and not any(req.storage_offsets) and list(req.lengths) == list(sizes):
