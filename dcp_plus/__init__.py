@@ -17,6 +17,7 @@ _EXPORTS = {
     "ObjectStoreWriter": "dcp_plus.writers",
     "ObjectStoreReader": "dcp_plus.readers",
     "SafeLoadPlanner": "dcp_plus.planners",
+    "ZstdCodec": "dcp_plus.format",
     "CheckpointExistsError": "dcp_plus.errors",
     "CheckpointFormatError": "dcp_plus.errors",
     "CheckpointNotFoundError": "dcp_plus.errors",
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
         UnsafeValueError,
         WorkerError,
     )
+    from dcp_plus.format import ZstdCodec
     from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
     from dcp_plus.readers import LocalReader, ObjectStoreReader
     from dcp_plus.stagers import ArenaStager

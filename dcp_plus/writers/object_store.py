@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import logging
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_plus.errors import CheckpointExistsError
 from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.format.codecs import IDENTITY, Codec, resolve_codec
 from dcp_plus.format.layout import DATA_SUFFIX
 from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
 from dcp_plus.format.retry import RetryPolicy
-from dcp_plus.writers.items import resolve_items
+from dcp_plus.writers.items import ResolvedItem, resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
 from dcp_plus.writers.local import _RankInfo, is_url, new_save_id
 
@@ -47,6 +50,11 @@ class ObjectStoreWriter(StorageWriter):
         max_retries: retries per request on throttling, 5xx and connection failures.
         retry_base_delay: first backoff (seconds); doubles per retry, fully jittered...
         retry_max_delay: ...up to this cap.
+        codec: how tensors are stored: ``"identity"`` (default), ``"zstd"``,
+            ``"zstd+shuffle"``, or a codec instance such as ``ZstdCodec(level=9, threads=8)``.
+        codecs: per tensor-name overrides, ``{fnmatch pattern: codec}``; the first matching
+            pattern wins, e.g. ``{"*.weight": "zstd+shuffle", "optim.*": "identity"}``.
+            Non-tensor values are always stored as they are.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``url`` and ``overwrite`` is off.
@@ -56,8 +64,11 @@ class ObjectStoreWriter(StorageWriter):
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
                  overwrite: bool = False, part_size: int = 32 << 20, concurrency: int = 8,
                  max_retries: int = 5, retry_base_delay: float = 0.2,
-                 retry_max_delay: float = 10.0) -> None:
+                 retry_max_delay: float = 10.0, codec: str | Codec = "identity",
+                 codecs: Mapping[str, str | Codec] | None = None) -> None:
         super().__init__()
+        self.codec = resolve_codec(codec)
+        self.codecs = {pattern: resolve_codec(c) for pattern, c in (codecs or {}).items()}
         self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
@@ -126,9 +137,11 @@ class ObjectStoreWriter(StorageWriter):
         rank, save_id = (info.rank, info.save_id) if isinstance(info, _RankInfo) else (
             self.rank, self.save_id)
         items = resolve_items(plan, planner)
+        raw_lengths = {id(r): len(r.data) for r in items}
+        codec_names = {id(r): self._encode(r) for r in items}
         slab_files, other_files = plan_files(items, rank, save_id, bins=1)
         files: list[FilePlan] = slab_files + other_files
-        sums = {id(r): checksum_bytes(r.data) for r in items}
+        sums = {id(r): checksum_bytes(r.data) for r in items}  # of the stored bytes
         objects = []
         for fp in files:
             segments = [(off, r.data) for r, off in fp.placed if len(r.data)]
@@ -138,12 +151,32 @@ class ObjectStoreWriter(StorageWriter):
         results = []
         for fp in files:
             for r, off in fp.placed:
-                n = len(r.data)
-                ext = Extent(fp.name, off, n, n, "identity", sums[id(r)])
-                results.append(WriteResult(index=r.item.index, size_in_bytes=n, storage_data=ext))
+                ext = Extent(fp.name, off, len(r.data), raw_lengths[id(r)], codec_names[id(r)],
+                             sums[id(r)])
+                results.append(WriteResult(index=r.item.index, size_in_bytes=len(r.data),
+                                           storage_data=ext))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def codec_for(self, fqn: str) -> Codec:
+        """The codec that stores tensor ``fqn``: the first matching pattern, else ``codec``."""
+        for pattern, codec in self.codecs.items():
+            if fnmatch.fnmatchcase(fqn, pattern):
+                return codec
+        return self.codec
+
+    def _encode(self, r: ResolvedItem) -> str:
+        """Replace ``r.data`` by its stored form; returns the codec name."""
+        if r.item.type == WriteItemType.BYTE_IO:
+            return IDENTITY.name
+        codec = self.codec_for(r.fqn)
+        if codec.name == IDENTITY.name:
+            return codec.name
+        itemsize = r.item.tensor_data.properties.dtype.itemsize if r.item.tensor_data else 1
+        r.data = memoryview(codec.encode(r.data, itemsize))
+        r.slab = None  # the stored bytes now live here, not in the stager's slab
+        return codec.name
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         extents: dict[MetadataIndex, Extent] = {}

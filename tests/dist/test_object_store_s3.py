@@ -227,3 +227,13 @@ def test_two_gloo_ranks_save_per_rank_objects_and_one_record(seaweed: SeaweedSer
     out = {k: torch.zeros_like(v) for k, v in expected.items()}
     dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
     assert_bit_exact(expected, out)
+
+
+def test_zstd_shuffle_round_trip_over_multipart(seaweed: SeaweedServer, prefix: str) -> None:
+    sd = state()
+    url = f"s3://{BUCKET}/{prefix}"
+    dcp.save(sd, storage_writer=ObjectStoreWriter(url, seaweed.storage_options(),
+                                                  part_size=5 * MiB, codec="zstd+shuffle"))
+    md = ObjectStoreReader(url, seaweed.storage_options()).read_metadata()
+    assert {e.codec for i, e in md.storage_data.items() if i.fqn == "big"} == {"zstd+shuffle"}
+    assert_bit_exact(sd, load(url, seaweed.storage_options(), sd, range_size=2 * MiB))

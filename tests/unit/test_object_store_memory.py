@@ -18,6 +18,7 @@ from dcp_plus import (
     SafeLoadPlanner,
     StorageError,
 )
+from dcp_plus.format.codecs import ZstdCodec, get_codec
 from dcp_plus.format.objectio import assemble, part_bounds, plan_ranges
 from dcp_plus.format.retry import RetryPolicy, is_retryable, retry_sync
 
@@ -227,3 +228,48 @@ def test_backoff_is_jittered_and_capped() -> None:
     delays = [p.delay(a) for a in range(10) for _ in range(20)]
     assert all(0 <= d <= 2.0 for d in delays)
     assert len({round(d, 6) for d in delays}) > 100
+
+
+def test_zstd_codecs_round_trip_per_pattern_and_store_less(url: str) -> None:
+    sd = state()
+    sd["zeros"] = torch.zeros(200_000)  # very compressible
+    w = ObjectStoreWriter(url, codec="zstd",
+                          codecs={"half": "zstd+shuffle", "i8": "identity",
+                                  "z*": ZstdCodec(level=1, threads=2, frame_size=64 * KiB)})
+    dcp.save(sd, storage_writer=w)
+    md = ObjectStoreReader(url).read_metadata()
+    by_fqn = {i.fqn: e for i, e in md.storage_data.items()}
+    assert by_fqn["a"].codec == "zstd" and by_fqn["half"].codec == "zstd+shuffle"
+    assert by_fqn["i8"].codec == "identity" and by_fqn["zeros"].codec == "zstd"
+    assert by_fqn["step"].codec == "identity"  # non-tensor values are never encoded
+    assert by_fqn["zeros"].length < by_fqn["zeros"].raw_length // 100
+    out = blank(sd)
+    dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner())
+    assert_bit_exact(sd, out)
+
+
+def test_flipped_byte_in_compressed_extent_is_reported_before_decoding(url: str) -> None:
+    sd = {"w": torch.randn(50_000)}
+    dcp.save(sd, storage_writer=ObjectStoreWriter(url, codec="zstd+shuffle"))
+    fs, root = fsspec.core.url_to_fs(url)
+    (name,) = [n for n in objects(url) if n.endswith(".dcpp")]
+    data = bytearray(fs.cat_file(f"{root}/{name}"))
+    data[len(data) // 2] ^= 0x40
+    fs.pipe_file(f"{root}/{name}", bytes(data))
+    with pytest.raises(BaseException, match="checksum mismatch in tensor 'w'"):
+        dcp.load({"w": torch.zeros(50_000)}, storage_reader=ObjectStoreReader(url))
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_zstd_frames_decode_independently_and_reject_bad_input(shuffle: bool) -> None:
+    codec = ZstdCodec(level=3, threads=2, shuffle=shuffle, frame_size=1024)
+    t = torch.randn(10_001).to(torch.bfloat16)  # 20,002 bytes: 20 frames, the last short
+    raw = memoryview(t.view(torch.int16).numpy()).cast("B")
+    stored = memoryview(codec.encode(raw, itemsize=2))
+    out = bytearray(len(raw))
+    get_codec(codec.name).decode_into(stored, memoryview(out))  # any instance decodes
+    assert bytes(out) == bytes(raw)
+    with pytest.raises(ValueError, match="frames"):
+        codec.decode_into(stored, memoryview(bytearray(len(raw) + 4096)))
+    with pytest.raises(ValueError, match="bad header"):
+        codec.decode_into(memoryview(b"XXXX" + bytes(stored[4:])), memoryview(out))
