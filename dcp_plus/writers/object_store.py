@@ -10,12 +10,13 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from dcp_plus.errors import CheckpointExistsError
+from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import IDENTITY, Codec, resolve_codec
 from dcp_plus.format.layout import DATA_SUFFIX
@@ -110,6 +111,12 @@ class ObjectStoreWriter(StorageWriter):
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("use_collectives", True) is False:
+            # every rank would run finish() and commit a record holding only its own items
+            raise CheckpointFormatError(
+                f"{self.url}: ObjectStoreWriter needs use_collectives=True: the coordinator "
+                "commits one record of every rank's data. For a single-process save use "
+                "no_dist=True")
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.save_id = new_save_id()
@@ -129,6 +136,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save_id = new_save_id()
+        self.save_id = save_id  # the coordinator records the id its data objects carry
         return [dataclasses.replace(p, storage_data=_RankInfo(i, save_id))
                 for i, p in enumerate(plans)]
 
@@ -184,6 +192,8 @@ class ObjectStoreWriter(StorageWriter):
             for wr in rank_results:
                 extents[wr.index] = wr.storage_data
         metadata.storage_data = extents
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = CURRENT_DCP_VERSION
         record = encode_record(metadata, extents)
         if not self._store.put(RECORD_NAME, record, if_absent=not self.overwrite):
             raise CheckpointExistsError(self._exists_message() + " (it was committed while "

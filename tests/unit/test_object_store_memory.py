@@ -273,3 +273,25 @@ def test_zstd_frames_decode_independently_and_reject_bad_input(shuffle: bool) ->
         codec.decode_into(stored, memoryview(bytearray(len(raw) + 4096)))
     with pytest.raises(ValueError, match="bad header"):
         codec.decode_into(memoryview(b"XXXX" + bytes(stored[4:])), memoryview(out))
+
+
+@pytest.mark.parametrize("codec", ["identity", "zstd", "zstd+shuffle"])
+def test_every_dtype_and_layout_round_trips_bit_exact(url: str, codec: str) -> None:
+    from tests.conftest import assert_bit_exact as exact
+    from tests.conftest import build_state_dict, load_target
+
+    sd = build_state_dict(seed=11)
+    dcp.save(sd, storage_writer=ObjectStoreWriter(url, codec=codec), no_dist=True)
+    out = load_target(sd)
+    dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner(),
+             no_dist=True)
+    exact(out, sd)
+    md = ObjectStoreReader(url).read_metadata()
+    assert md.storage_meta is not None and md.storage_meta.checkpoint_id == url
+    assert all(n.split(".")[1] == md.storage_meta.save_id
+               for n in objects(url) if n.endswith(".dcpp"))
+
+
+def test_single_process_without_collectives_is_refused(url: str) -> None:
+    with pytest.raises(BaseException, match="needs use_collectives=True"):
+        ObjectStoreWriter(url).set_up_storage_writer(True, rank=0, use_collectives=False)
