@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import logging
 import os
 import re
@@ -12,18 +11,19 @@ from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.format.codecs import IDENTITY, Codec, resolve_codec
+from dcp_plus.format.codecs import Codec
 from dcp_plus.format.layout import DATA_SUFFIX
 from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
 from dcp_plus.format.retry import RetryPolicy
-from dcp_plus.writers.items import ResolvedItem, resolve_items
+from dcp_plus.writers.codec_choice import CodecChoice
+from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
 from dcp_plus.writers.local import _RankInfo, is_url, new_save_id
 
@@ -68,8 +68,7 @@ class ObjectStoreWriter(StorageWriter):
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None) -> None:
         super().__init__()
-        self.codec = resolve_codec(codec)
-        self.codecs = {pattern: resolve_codec(c) for pattern, c in (codecs or {}).items()}
+        self.codecs = CodecChoice(codec, codecs)
         self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.overwrite = overwrite
@@ -146,7 +145,7 @@ class ObjectStoreWriter(StorageWriter):
             self.rank, self.save_id)
         items = resolve_items(plan, planner)
         raw_lengths = {id(r): len(r.data) for r in items}
-        codec_names = {id(r): self._encode(r) for r in items}
+        codec_names = {id(r): self.codecs.encode(r) for r in items}
         slab_files, other_files = plan_files(items, rank, save_id, bins=1)
         files: list[FilePlan] = slab_files + other_files
         sums = {id(r): checksum_bytes(r.data) for r in items}  # of the stored bytes
@@ -166,25 +165,6 @@ class ObjectStoreWriter(StorageWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
-
-    def codec_for(self, fqn: str) -> Codec:
-        """The codec that stores tensor ``fqn``: the first matching pattern, else ``codec``."""
-        for pattern, codec in self.codecs.items():
-            if fnmatch.fnmatchcase(fqn, pattern):
-                return codec
-        return self.codec
-
-    def _encode(self, r: ResolvedItem) -> str:
-        """Replace ``r.data`` by its stored form; returns the codec name."""
-        if r.item.type == WriteItemType.BYTE_IO:
-            return IDENTITY.name
-        codec = self.codec_for(r.fqn)
-        if codec.name == IDENTITY.name:
-            return codec.name
-        itemsize = r.item.tensor_data.properties.dtype.itemsize if r.item.tensor_data else 1
-        r.data = memoryview(codec.encode(r.data, itemsize))
-        r.slab = None  # the stored bytes now live here, not in the stager's slab
-        return codec.name
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         extents: dict[MetadataIndex, Extent] = {}
