@@ -37,7 +37,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def one_round(fs: Any, opts: dict[str, Any], sd: dict[str, torch.Tensor], base: str,
-              part_mib: int, concurrency: int) -> list[dict[str, Any]]:
+              part_mib: int, concurrency: int, codec: str) -> list[dict[str, Any]]:
     """Save and load ``sd`` once with each method under the prefix ``base``."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -73,19 +73,22 @@ def one_round(fs: Any, opts: dict[str, Any], sd: dict[str, torch.Tensor], base: 
     rows.append({"method": "FsspecWriter/Reader", "save_s": save_s, "load_s": load_s})
 
     ours_url = f"{base}/dcpp"
-    ours = ObjectStoreWriter(ours_url, opts, part_size=part_mib * MiB, concurrency=concurrency)
+    ours = ObjectStoreWriter(ours_url, opts, part_size=part_mib * MiB, concurrency=concurrency,
+                             codec=codec)
     save_s = timed(lambda: dcp.save(sd, storage_writer=ours))
     out2 = fresh()
     load_s = timed(lambda: dcp.load(out2, storage_reader=ObjectStoreReader(
         ours_url, opts, concurrency=concurrency)))
     check(out2)
-    rows.append({"method": "ObjectStoreWriter/Reader", "save_s": save_s, "load_s": load_s})
+    stored = sum(fs.size(p) for p in fs.ls(ours_url.removeprefix("s3://"), detail=False))
+    rows.append({"method": f"ObjectStoreWriter/Reader {codec}"[:40], "save_s": save_s,
+                 "load_s": load_s, "stored_MiB": stored / MiB})
     fs.rm(base, recursive=True)
     return rows
 
 
 def run(opts: dict[str, Any], bucket: str, mib: int, tensors: int, repeats: int,
-        part_mib: int, concurrency: int) -> list[dict[str, Any]]:
+        part_mib: int, concurrency: int, codec: str = "identity") -> list[dict[str, Any]]:
     import fsspec
 
     sd = make_state(mib, tensors)
@@ -94,7 +97,7 @@ def run(opts: dict[str, Any], bucket: str, mib: int, tensors: int, repeats: int,
     rows = []
     for rep in range(repeats):
         base = f"s3://{bucket}/bench/{uuid.uuid4().hex[:8]}"
-        for r in one_round(fs, opts, sd, base, part_mib, concurrency):
+        for r in one_round(fs, opts, sd, base, part_mib, concurrency, codec):
             rows.append({**r, "rep": rep, "MiB": nbytes / MiB,
                          "save_MBps": nbytes / r["save_s"] / 1e6,
                          "load_MBps": nbytes / r["load_s"] / 1e6})
@@ -108,6 +111,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--part-mib", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--codec", default="identity", help="ObjectStoreWriter codec "
+                   "(identity, zstd, zstd+shuffle); the data is random normal float32")
     p.add_argument("--endpoint", help="an existing S3 endpoint (default: start SeaweedFS)")
     p.add_argument("--key")
     p.add_argument("--secret")
@@ -130,17 +135,20 @@ def main() -> None:
         server.start()
         opts = server.storage_options()
     try:
-        rows = run(opts, a.bucket, a.mib, a.tensors, a.repeats, a.part_mib, a.concurrency)
+        rows = run(opts, a.bucket, a.mib, a.tensors, a.repeats, a.part_mib, a.concurrency,
+                   a.codec)
     finally:
         if server is not None:
             server.stop()
     if a.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'method':<26}{'rep':>4}{'MiB':>8}{'save s':>9}{'MB/s':>8}{'load s':>9}{'MB/s':>8}")
+    print(f"{'method':<38}{'rep':>4}{'MiB':>8}{'save s':>9}{'MB/s':>8}{'load s':>9}"
+          f"{'MB/s':>8}{'stored MiB':>12}")
     for r in rows:
-        print(f"{r['method']:<26}{r['rep']:>4}{r['MiB']:>8.0f}{r['save_s']:>9.2f}"
-              f"{r['save_MBps']:>8.1f}{r['load_s']:>9.2f}{r['load_MBps']:>8.1f}")
+        stored = f"{r['stored_MiB']:>12.1f}" if "stored_MiB" in r else ""
+        print(f"{r['method']:<38}{r['rep']:>4}{r['MiB']:>8.0f}{r['save_s']:>9.2f}"
+              f"{r['save_MBps']:>8.1f}{r['load_s']:>9.2f}{r['load_MBps']:>8.1f}{stored}")
 
 
 if __name__ == "__main__":
