@@ -14,12 +14,16 @@ _EXPORTS = {
     "ArenaStager": "dcp_plus.stagers",
     "LocalWriter": "dcp_plus.writers",
     "LocalReader": "dcp_plus.readers",
+    "ObjectStoreWriter": "dcp_plus.writers",
+    "ObjectStoreReader": "dcp_plus.readers",
     "SafeLoadPlanner": "dcp_plus.planners",
+    "ZstdCodec": "dcp_plus.format",
     "CheckpointExistsError": "dcp_plus.errors",
     "CheckpointFormatError": "dcp_plus.errors",
     "CheckpointNotFoundError": "dcp_plus.errors",
     "CorruptCheckpointError": "dcp_plus.errors",
     "DcpPlusError": "dcp_plus.errors",
+    "StorageError": "dcp_plus.errors",
     "UnsafeCheckpointError": "dcp_plus.errors",
     "UnsafeValueError": "dcp_plus.errors",
     "WorkerError": "dcp_plus.errors",
@@ -34,14 +38,16 @@ if TYPE_CHECKING:
         CheckpointNotFoundError,
         CorruptCheckpointError,
         DcpPlusError,
+        StorageError,
         UnsafeCheckpointError,
         UnsafeValueError,
         WorkerError,
     )
+    from dcp_plus.format import ZstdCodec
     from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
-    from dcp_plus.readers import LocalReader
+    from dcp_plus.readers import LocalReader, ObjectStoreReader
     from dcp_plus.stagers import ArenaStager
-    from dcp_plus.writers import LocalWriter
+    from dcp_plus.writers import LocalWriter, ObjectStoreWriter
 
 
 def __getattr__(name: str) -> Any:

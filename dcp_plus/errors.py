@@ -49,3 +49,7 @@ class ClosedError(DcpPlusError, RuntimeError):
 
 class PlanCacheError(DcpPlusError, RuntimeError):
     """Ranks disagree about what the plan cache holds (caches are dropped; save again)."""
+
+
+class StorageError(DcpPlusError, OSError):
+    """A storage operation (object store request, remote file I/O) failed for good."""

@@ -16,6 +16,7 @@ _EXPORTS = {
     "checksum_bytes": "checksum",
     "new_hasher": "checksum",
     "IDENTITY": "codecs",
+    "ZstdCodec": "codecs",
     "get_codec": "codecs",
     "FORMAT_NAME": "record",
     "FORMAT_VERSION": "record",
@@ -28,7 +29,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from dcp_plus.format.checksum import checksum_bytes, new_hasher
-    from dcp_plus.format.codecs import IDENTITY, get_codec
+    from dcp_plus.format.codecs import IDENTITY, ZstdCodec, get_codec
     from dcp_plus.format.layout import ALIGNMENT, align_up, data_file_name
     from dcp_plus.format.record import (
         FORMAT_NAME,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.checksum import checksum_bytes, is_supported
@@ -26,24 +26,40 @@ def resolve_data_path(root: str, name: str) -> str:
     return real
 
 
-def check_bounds(root: str, extents: Iterable[tuple[str, Extent]]) -> None:
-    """Every extent must lie inside its file: names the field, file and tensor otherwise."""
-    sizes: dict[str, int] = {}
+def check_extent_bounds(extents: Iterable[tuple[str, Extent]],
+                        size_of: Callable[[str], int | None],
+                        location: Callable[[str], str]) -> None:
+    """Every extent must lie inside its data file or object (``size_of`` is None if missing).
+
+    Raises:
+        CheckpointFormatError: naming the field, the file and the tensor.
+    """
+    sizes: dict[str, int | None] = {}
     for i, (what, e) in enumerate(extents):
         if e.file not in sizes:
-            path = resolve_data_path(root, e.file)
-            try:
-                sizes[e.file] = os.stat(path).st_size
-            except FileNotFoundError:
-                raise CheckpointFormatError(
-                    f"{path}: data file of {what} (extents[{i}].file) is missing"
-                ) from None
-        if e.length and e.offset + e.length > sizes[e.file]:
+            sizes[e.file] = size_of(e.file)
+        size = sizes[e.file]
+        if size is None:
             raise CheckpointFormatError(
-                f"{os.path.join(root, e.file)}: extents[{i}] of {what} (offset {e.offset}, "
-                f"length {e.length}) runs past the end of the file ({sizes[e.file]} bytes): "
+                f"{location(e.file)}: data file of {what} (extents[{i}].file) is missing"
+            )
+        if e.length and e.offset + e.length > size:
+            raise CheckpointFormatError(
+                f"{location(e.file)}: extents[{i}] of {what} (offset {e.offset}, "
+                f"length {e.length}) runs past the end of the file ({size} bytes): "
                 "the file is truncated or the record is corrupt"
             )
+
+
+def check_bounds(root: str, extents: Iterable[tuple[str, Extent]]) -> None:
+    """:func:`check_extent_bounds` for data files under the directory ``root``."""
+    def size_of(name: str) -> int | None:
+        try:
+            return os.stat(resolve_data_path(root, name)).st_size
+        except FileNotFoundError:
+            return None
+
+    check_extent_bounds(extents, size_of, lambda name: os.path.join(root, name))
 
 
 def verify_checksum(data: memoryview, ext: Extent, what: str, root: str) -> None:

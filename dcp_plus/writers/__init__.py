@@ -1,6 +1,7 @@
 """Storage writers and their shared worker-process pool."""
 
 from dcp_plus.writers.local import LocalWriter
+from dcp_plus.writers.object_store import ObjectStoreWriter
 from dcp_plus.writers.pool import shutdown_pool
 
-__all__ = ["LocalWriter", "shutdown_pool"]
+__all__ = ["LocalWriter", "ObjectStoreWriter", "shutdown_pool"]

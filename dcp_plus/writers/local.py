@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import uuid
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -19,9 +20,11 @@ from torch.futures import Future
 from dcp_plus._worker import WriteJob
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.format.codecs import Codec
 from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all
 from dcp_plus.format.layout import DATA_SUFFIX
 from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
+from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
 from dcp_plus.writers.pool import shared_pool, shutdown_pool
@@ -60,16 +63,22 @@ class LocalWriter(StorageWriter):
         workers: size of the shared writer-process pool.
         threads: parallel files for data outside slabs.
         fsync: fsync data files and directories (turn off only for throwaway checkpoints).
+        codec, codecs: how tensors are stored (default ``"identity"``; ``"zstd"``,
+            ``"zstd+shuffle"`` or a ``ZstdCodec``), and per-name overrides
+            ``{fnmatch pattern: codec}``. Encoded tensors are written by this process's
+            threads rather than from the stager's slabs.
     """
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, workers: int = 2,
-                 threads: int = 2, fsync: bool = True) -> None:
+                 threads: int = 2, fsync: bool = True, codec: str | Codec = "identity",
+                 codecs: Mapping[str, str | Codec] | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
         self.overwrite = overwrite
         self.workers = workers
         self.threads = threads
         self.fsync = fsync
+        self.codecs = CodecChoice(codec, codecs)
         self.save_id = new_save_id()
         self.rank = 0
         self.is_coordinator = True
@@ -129,6 +138,8 @@ class LocalWriter(StorageWriter):
         rank, save_id = (info.rank, info.save_id) if isinstance(info, _RankInfo) else (
             self.rank, self.save_id)
         items = resolve_items(plan, planner)
+        raw_lengths = {id(r): len(r.data) for r in items}
+        codec_names = {id(r): self.codecs.encode(r) for r in items}
         slab_files, local_files = plan_files(items, rank, save_id, self.threads)
         for fp in slab_files + local_files:
             fd = os.open(os.path.join(self.path, fp.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
@@ -152,7 +163,8 @@ class LocalWriter(StorageWriter):
         for fp in slab_files + local_files:
             for r, off in fp.placed:
                 n = len(r.data)
-                ext = Extent(fp.name, off, n, n, "identity", sums[id(r)])
+                ext = Extent(fp.name, off, n, raw_lengths[id(r)], codec_names[id(r)],
+                             sums[id(r)])
                 results.append(WriteResult(index=r.item.index, size_in_bytes=n, storage_data=ext))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)

@@ -1,0 +1,279 @@
+"""S3 object I/O on s3fs's event loop: parallel multipart uploads and ranged GETs.
+
+Requests go to the aiobotocore client that s3fs builds from ``storage_options`` (endpoint,
+credentials, botocore ``config_kwargs``), bypassing s3fs's own retry layer so that the retry
+bound is :class:`~dcp_plus.format.retry.RetryPolicy`'s (botocore's retry configuration still
+applies beneath it). ``s3fs``'s ``requester_pays`` and ``s3_additional_kwargs`` (e.g. SSE)
+are honoured on the calls that create objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+from fsspec.asyn import sync
+
+from dcp_plus.format.objectio import (
+    MIN_PART_SIZE,
+    Segments,
+    StoreConfig,
+    assemble,
+    part_bounds,
+    plan_ranges,
+)
+from dcp_plus.format.retry import error_status, retry_async
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return []
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+    return [t.result() for t in tasks]
+
+
+def _is_missing(exc: BaseException) -> bool:
+    status, code = error_status(exc)
+    return status == 404 or code in ("NoSuchKey", "404", "NotFound")
+
+
+class S3Store:
+    """One ``s3://bucket/prefix``; every request is bounded by ``config.concurrency``."""
+
+    def __init__(self, fs: Any, root: str, url: str, config: StoreConfig) -> None:
+        if config.part_size < MIN_PART_SIZE:
+            raise ValueError(f"part_size {config.part_size} is below S3's minimum part size "
+                             f"{MIN_PART_SIZE} (5 MiB)")
+        self.fs = fs
+        self.bucket, key, _ = fs.split_path(root)
+        self.prefix = key.rstrip("/")
+        self.url = url.rstrip("/")
+        self.config = config
+        self._sem: asyncio.Semaphore | None = None
+        self._create_kw = {**fs.s3_additional_kwargs, **fs.req_kw}
+
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def location(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        return sync(self.fs.loop, fn, *args)
+
+    async def _request(self, what: str, fn: Callable[[Any, int], Awaitable[T]]) -> T:
+        """``fn(client, attempt)`` under the concurrency bound, retried per the policy."""
+        client = await self.fs.set_session()
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.config.concurrency)
+        sem = self._sem
+
+        async def attempt(n: int) -> T:
+            async with sem:
+                return await fn(client, n)
+        return await retry_async(attempt, self.config.retry, what)
+
+    async def _call(self, what: str, method: str, **kwargs: Any) -> Any:
+        return await self._request(
+            what, lambda client, _: getattr(client, method)(Bucket=self.bucket, **kwargs))
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def sizes(self, names: Sequence[str]) -> dict[str, int | None]:
+        async def size(name: str) -> int | None:
+            async def head(client: Any, _: int) -> int | None:
+                try:
+                    resp = await client.head_object(Bucket=self.bucket, Key=self.key(name),
+                                                    **self.fs.req_kw)
+                except Exception as e:
+                    if _is_missing(e):
+                        return None
+                    raise
+                return int(resp["ContentLength"])
+            return await self._request(f"HEAD {self.location(name)}", head)
+
+        async def run() -> list[int | None]:
+            return await gather_or_cancel([size(n) for n in names])
+        return dict(zip(names, self._run(run), strict=True))
+
+    async def _get(self, client: Any, name: str) -> bytes | None:
+        try:
+            resp = await client.get_object(Bucket=self.bucket, Key=self.key(name),
+                                           **self.fs.req_kw)
+        except Exception as e:
+            if _is_missing(e):
+                return None
+            raise
+        async with resp["Body"] as body:
+            return bytes(await body.read())
+
+    def get(self, name: str) -> bytes | None:
+        async def run() -> bytes | None:
+            return await self._request(f"GET {self.location(name)}",
+                                       lambda client, _: self._get(client, name))
+        return self._run(run)
+
+    def put(self, name: str, data: bytes, *, if_absent: bool) -> bool:
+        """One PUT; with ``if_absent`` it is conditional (``If-None-Match: *``).
+
+        Returns False when ``if_absent`` and the object exists already (unless it is the
+        very object an earlier attempt of this call wrote before its reply was lost).
+        """
+        what = f"PUT {self.location(name)}"
+        cond = {"IfNoneMatch": "*"} if if_absent else {}
+
+        async def put(client: Any, attempt: int) -> bool:
+            try:
+                await client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data,
+                                        **cond, **self._create_kw)
+                return True
+            except Exception as e:
+                status, code = error_status(e)
+                if status == 412 or code == "PreconditionFailed":
+                    return attempt > 0 and await self._get(client, name) == data
+                if status == 501 and cond:
+                    log.warning("%s: the store does not support If-None-Match; writing "
+                                "unconditionally after checking for the object", what)
+                    cond.clear()
+                    if await self._get(client, name) is not None:
+                        return False
+                    return await put(client, attempt)
+                raise
+
+        async def run() -> bool:
+            return await self._request(what, put)
+        return self._run(run)
+
+    # -- data -------------------------------------------------------------------------------
+
+    def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
+        async def run() -> None:
+            await gather_or_cancel([self._upload_one(*obj) for obj in objects])
+        self._run(run)
+
+    async def _upload_one(self, name: str, segments: Segments, total: int) -> None:
+        key = self.key(name)
+        starts = [off for off, _ in segments]
+        bounds = part_bounds(total, self.config.part_size)
+        if len(bounds) <= 1:
+            body = assemble(segments, starts, 0, total)
+            await self._call(f"PUT {self.location(name)}", "put_object", Key=key, Body=body,
+                             **self._create_kw)
+            return
+        created = await self._call(f"create multipart upload of {self.location(name)}",
+                                   "create_multipart_upload", Key=key, **self._create_kw)
+        upload_id = created["UploadId"]
+        try:
+            etags = await gather_or_cancel([
+                self._upload_part(name, upload_id, i + 1, segments, starts, a, b)
+                for i, (a, b) in enumerate(bounds)])
+            parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
+            await self._complete(name, upload_id, parts, total)
+        except BaseException:
+            await self._abort(name, upload_id)
+            raise
+
+    async def _upload_part(self, name: str, upload_id: str, number: int, segments: Segments,
+                           starts: list[int], a: int, b: int) -> str:
+        async def part(client: Any, _: int) -> str:
+            body = assemble(segments, starts, a, b)  # exists only while the part is in flight
+            resp = await client.upload_part(Bucket=self.bucket, Key=self.key(name),
+                                            UploadId=upload_id, PartNumber=number, Body=body,
+                                            **self.fs.req_kw)
+            return str(resp["ETag"])
+        return await self._request(f"upload of part {number} of {self.location(name)}", part)
+
+    async def _complete(self, name: str, upload_id: str, parts: list[dict[str, Any]],
+                        total: int) -> None:
+        async def complete(client: Any, attempt: int) -> None:
+            try:
+                await client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=self.key(name), UploadId=upload_id,
+                    MultipartUpload={"Parts": parts}, **self.fs.req_kw)
+            except Exception as e:
+                # A retry after a lost reply: the upload completed and its id is gone.
+                status, code = error_status(e)
+                if attempt > 0 and (status == 404 or code == "NoSuchUpload"):
+                    head = await client.head_object(Bucket=self.bucket, Key=self.key(name),
+                                                    **self.fs.req_kw)
+                    if int(head["ContentLength"]) == total:
+                        return
+                raise
+        await self._request(f"complete multipart upload of {self.location(name)}", complete)
+
+    async def _abort(self, name: str, upload_id: str) -> None:
+        try:
+            client = await self.fs.set_session()
+            await client.abort_multipart_upload(Bucket=self.bucket, Key=self.key(name),
+                                                UploadId=upload_id, **self.fs.req_kw)
+        except Exception as e:  # best effort: a lifecycle rule reaps what is left
+            log.warning("could not abort multipart upload %s of %s: %s", upload_id,
+                        self.location(name), e)
+
+    def read(self, name: str, reads: Sequence[tuple[int, memoryview]]) -> None:
+        ranges = plan_ranges(reads, self.config.coalesce_gap, self.config.range_size)
+
+        async def run() -> None:
+            await gather_or_cancel([self._read_range(name, s, v) for s, v in ranges])
+        self._run(run)
+
+    async def _read_range(self, name: str, start: int, views: list[memoryview]) -> None:
+        end = start + sum(len(v) for v in views)
+
+        async def get_range(client: Any, _: int) -> None:
+            resp = await client.get_object(Bucket=self.bucket, Key=self.key(name),
+                                           Range=f"bytes={start}-{end - 1}", **self.fs.req_kw)
+            async with resp["Body"] as body:
+                pos = start
+                for view in views:  # network chunks land in the destination buffers
+                    filled = 0
+                    while filled < len(view):
+                        n = await body.readinto(view[filled:])
+                        if n == 0:
+                            raise EOFError(f"{self.location(name)}: object ends at byte "
+                                           f"{pos + filled}, before {end}")
+                        filled += n
+                    pos += len(view)
+        await self._request(f"GET {self.location(name)} bytes {start}..{end}", get_range)
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def list(self) -> list[str]:
+        async def run() -> list[str]:
+            names: list[str] = []
+            prefix = f"{self.prefix}/" if self.prefix else ""
+            token: dict[str, str] = {}
+            while True:
+                resp = await self._call(f"LIST {self.url}", "list_objects_v2", Prefix=prefix,
+                                        Delimiter="/", **token, **self.fs.req_kw)
+                names += [o["Key"][len(prefix):] for o in resp.get("Contents", [])]
+                if not resp.get("IsTruncated"):
+                    return names
+                token = {"ContinuationToken": resp["NextContinuationToken"]}
+        return self._run(run)
+
+    def delete(self, names: Sequence[str]) -> None:
+        async def run() -> None:
+            await gather_or_cancel([
+                self._call(f"DELETE {self.location(n)}", "delete_object", Key=self.key(n),
+                           **self.fs.req_kw) for n in names])
+        self._run(run)
+
+    def close(self) -> None:
+        self._sem = None

@@ -1,0 +1,227 @@
+"""What every dcp_plus reader shares: read planning, destination buffers, verified delivery.
+
+Extents are grouped per data file, sorted by offset and cut into batches; a batch is read by
+the subclass's :meth:`ExtentReader._fill` straight into the destination tensors (or into a
+staging buffer when a stored chunk is resharded), then checksummed and handed to the planner.
+Compressed extents are read into a buffer of their stored size, checksummed, and decoded
+(frames in parallel) into the destination.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus.format.codecs import get_codec
+from dcp_plus.format.record import RECORD_NAME, Extent
+from dcp_plus.format.values import byte_view, check_loads_safely
+from dcp_plus.readers.extents import verify_checksum
+
+BATCH_BYTES = 64 << 20
+PICKLE_PROTOCOL_BYTE = 0x80
+
+
+def describe(index: MetadataIndex) -> str:
+    chunk = "" if index.offset is None or not any(index.offset) else f" chunk {list(index.offset)}"
+    return f"tensor {index.fqn!r}{chunk}"
+
+
+class ExtentReader(StorageReader):
+    """Base of the dcp_plus readers; subclasses locate and read the bytes.
+
+    Subclasses set ``self.path`` (directory or URL) and implement :meth:`read_metadata`,
+    :meth:`_check_bounds` and :meth:`_fill`. When ``read_metadata`` falls back to a stock DCP
+    reader (pickled record, ``allow_pickle=True``) it stores it in ``self._stock``.
+    """
+
+    path: str
+
+    def __init__(self, *, verify: bool, threads: int, allow_pickle: bool) -> None:
+        super().__init__()
+        self.verify = verify
+        self.threads = threads
+        self.allow_pickle = allow_pickle
+        self._stock: StorageReader | None = None
+        self._extents: dict[MetadataIndex, Extent] = {}
+        self._chunks: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
+
+    # -- subclass hooks ---------------------------------------------------------------------
+
+    def _location(self, name: str) -> str:
+        """How messages name data file ``name``."""
+        return f"{self.path}/{name}"
+
+    def _check_bounds(self) -> None:
+        """Raise CheckpointFormatError if an extent's file is missing or too short."""
+        raise NotImplementedError
+
+    def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str) -> None:
+        """Fill each ``(offset, buffer)`` from data file ``name``; ``what`` names the items.
+
+        Raises:
+            CorruptCheckpointError: the file ends before an extent does.
+        """
+        raise NotImplementedError
+
+    # -- StorageReader ----------------------------------------------------------------------
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        if self._stock is not None:
+            self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+            return
+        self._extents = cast(dict[MetadataIndex, Extent], metadata.storage_data)
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for c in md.chunks:
+                    self._chunks[MetadataIndex(fqn, c.offsets)] = (md.properties.dtype, c.sizes)
+        self._check_bounds()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._stock is not None:
+            return self._stock.read_data(plan, planner)
+        by_extent: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
+        for req in plan.items:
+            by_extent[req.storage_index].append(req)
+        per_file: dict[str, list[MetadataIndex]] = defaultdict(list)
+        for idx in by_extent:
+            per_file[self._extent(idx).file].append(idx)
+        batches = []
+        for name, idxs in per_file.items():
+            idxs.sort(key=lambda i: self._extent(i).offset)
+            batch: list[MetadataIndex] = []
+            size = 0
+            for i in idxs:
+                batch.append(i)
+                size += self._extent(i).length
+                if size >= BATCH_BYTES:
+                    batches.append((name, batch))
+                    batch, size = [], 0
+            if batch:
+                batches.append((name, batch))
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-read") as pool:
+            futures = [pool.submit(self._read_batch, name, b, by_extent, planner)
+                       for name, b in batches]
+            for f in futures:
+                f.result()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- shared machinery -------------------------------------------------------------------
+
+    def _extent(self, index: MetadataIndex) -> Extent:
+        try:
+            return self._extents[index]
+        except KeyError:
+            raise CheckpointFormatError(
+                f"{self._location(RECORD_NAME)}: no extent recorded for {describe(index)}"
+            ) from None
+
+    def _read_batch(self, name: str, batch: list[MetadataIndex],
+                    by_extent: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner) -> None:
+        targets = [self._destination(i, by_extent[i], planner) for i in batch]
+        self._fill(name, [(self._extent(i).offset, buf)
+                          for i, (buf, _) in zip(batch, targets, strict=True)],
+                   f"{describe(batch[0])} and {len(batch) - 1} more")
+        for index, (buf, finish) in zip(batch, targets, strict=True):
+            if self.verify:
+                verify_checksum(buf, self._extent(index), describe(index), self.path)
+            finish()
+
+    def _destination(self, index: MetadataIndex, reqs: list[ReadItem],
+                     planner: LoadPlanner) -> tuple[memoryview, Callable[[], None]]:
+        """A buffer to read the stored extent into and a callback that delivers it."""
+        ext = self._extent(index)
+        if ext.codec == "identity":
+            if ext.length != ext.raw_length:
+                raise CheckpointFormatError(
+                    f"{self._location(ext.file)}: {describe(index)}: identity extent with "
+                    f"length {ext.length} != raw_length {ext.raw_length}")
+            return self._raw_destination(index, ext, reqs, planner)
+        try:
+            codec = get_codec(ext.codec)
+        except KeyError as e:
+            raise CheckpointFormatError(f"{self._location(ext.file)}: {describe(index)}: "
+                                        f"{e.args[0]}") from None
+        raw_view, deliver = self._raw_destination(index, ext, reqs, planner)
+        stored = memoryview(bytearray(ext.length))
+
+        def decode_and_deliver() -> None:
+            try:
+                codec.decode_into(stored, raw_view)
+            except ValueError as e:
+                raise CorruptCheckpointError(
+                    f"{self._location(ext.file)}: {describe(index)}: cannot decode "
+                    f"{ext.codec} extent: {e}") from None
+            deliver()
+        return stored, decode_and_deliver
+
+    def _raw_destination(self, index: MetadataIndex, ext: Extent, reqs: list[ReadItem],
+                         planner: LoadPlanner) -> tuple[memoryview, Callable[[], None]]:
+        """A buffer for the extent's raw bytes and a callback that delivers them."""
+        where = self._location(ext.file)
+        if reqs[0].type == LoadItemType.BYTE_IO:
+            raw = bytearray(ext.raw_length)
+
+            def deliver_bytes() -> None:
+                if not self.allow_pickle:
+                    check_loads_safely(index.fqn, bytes(raw))
+                for req in reqs:
+                    planner.load_bytes(req, io.BytesIO(raw))
+            return memoryview(raw), deliver_bytes
+
+        dtype, sizes = self._chunks[index]
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if nbytes != ext.raw_length:
+            raise CheckpointFormatError(
+                f"{where}: {describe(index)}: extent holds {ext.raw_length} bytes, "
+                f"but {dtype} {list(sizes)} needs {nbytes}")
+        req = reqs[0]
+        if len(reqs) == 1 and not any(req.storage_offsets) and list(req.lengths) == list(sizes):
+            target = planner.resolve_tensor(req).detach()
+            if (target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
+                    and target.numel() == math.prod(sizes) and nbytes > 0):
+                view = byte_view(target)
+
+                def deliver_direct() -> None:
+                    planner.commit_tensor(req, target)
+                return view, deliver_direct
+
+        staging = torch.empty(nbytes, dtype=torch.uint8)
+
+        def deliver_copy() -> None:
+            chunk = staging.view(dtype).reshape(sizes) if nbytes else torch.empty(
+                sizes, dtype=dtype)
+            for r in reqs:
+                src = chunk
+                for dim, (start, length) in enumerate(zip(r.storage_offsets, r.lengths,
+                                                          strict=True)):
+                    src = src.narrow(dim, start, length)
+                target = planner.resolve_tensor(r).detach()
+                if target.size() != src.size():
+                    raise CheckpointFormatError(
+                        f"{where}: {describe(index)}: stored region "
+                        f"{list(src.size())} does not fit destination {list(target.size())}")
+                target.copy_(src)
+                planner.commit_tensor(r, target)
+        view = byte_view(staging)
+        return view, deliver_copy

@@ -1,0 +1,239 @@
+"""ObjectStoreWriter/ObjectStoreReader against a real S3 server (SeaweedFS) through stock DCP."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_plus import (
+    CheckpointExistsError,
+    ObjectStoreReader,
+    ObjectStoreWriter,
+    SafeLoadPlanner,
+)
+from tests.dist._fault_proxy import FaultProxy
+from tests.dist._seaweed import BUCKET, SeaweedServer
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+MiB = 1 << 20
+
+
+def state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    return {
+        "big": torch.randn(3 * MiB, generator=g),  # 12 MiB: a multipart upload of 3 parts
+        "bf16": torch.randn(257, 33, generator=g).to(torch.bfloat16),
+        "ints": torch.randint(-1000, 1000, (4099,), dtype=torch.int64, generator=g),
+        "strided": torch.randn(64, 48, generator=g).t(),
+        "empty": torch.empty(0, 3),
+        "step": 17,
+        "meta": {"lr": 0.5, "name": "run-a"},
+    }
+
+
+def zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items()
+                           if isinstance(v, torch.Tensor)}
+    out.update(step=0, meta={"lr": 0.0, "name": ""})
+    return out
+
+
+def assert_bit_exact(expected: dict[str, Any], actual: dict[str, Any]) -> None:
+    for k, v in expected.items():
+        if isinstance(v, torch.Tensor):
+            assert actual[k].dtype == v.dtype and actual[k].shape == v.shape, k
+            assert torch.equal(actual[k].contiguous().view(torch.uint8),
+                               v.contiguous().view(torch.uint8)), k
+        else:
+            assert actual[k] == v, k
+
+
+def s3_client(server: SeaweedServer) -> Any:
+    import boto3
+
+    opts = server.storage_options()
+    return boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=opts["key"],
+                        aws_secret_access_key=opts["secret"], region_name="us-east-1")
+
+
+def keys(server: SeaweedServer, prefix: str) -> list[str]:
+    resp = s3_client(server).list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1:] for o in resp.get("Contents", []))
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"t/{uuid.uuid4().hex[:12]}"
+
+
+# botocore's own retries off, so that the retries under test are dcp_plus's.
+NO_BOTO_RETRY = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 2,
+                                   "read_timeout": 10}}
+
+
+def load(url: str, opts: dict[str, Any], like: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    out = zeros_like(like)
+    dcp.load(out, storage_reader=ObjectStoreReader(url, opts, **kw), planner=SafeLoadPlanner())
+    return out
+
+
+def test_round_trip_is_bit_exact_with_multipart_and_ranged_reads(seaweed: SeaweedServer,
+                                                                  prefix: str) -> None:
+    sd = state()
+    url = f"s3://{BUCKET}/{prefix}"
+    dcp.save(sd, storage_writer=ObjectStoreWriter(url, seaweed.storage_options(),
+                                                  part_size=5 * MiB, concurrency=4))
+    names = keys(seaweed, prefix)
+    assert ".metadata" in names
+    data = [n for n in names if n != ".metadata"]
+    assert data and all(n.startswith("__0_") and n.endswith(".dcpp") for n in data)
+    # small ranges and gaps: many parallel ranged GETs, neighbours coalesced
+    assert_bit_exact(sd, load(url, seaweed.storage_options(), sd, range_size=1 * MiB,
+                              coalesce_gap=64 << 10, concurrency=4))
+
+
+def test_flipped_byte_is_reported_with_tensor_name(seaweed: SeaweedServer, prefix: str) -> None:
+    sd = {"weights": torch.arange(100_000, dtype=torch.float32)}
+    url = f"s3://{BUCKET}/{prefix}"
+    dcp.save(sd, storage_writer=ObjectStoreWriter(url, seaweed.storage_options()))
+    (name,) = [n for n in keys(seaweed, prefix) if n.endswith(".dcpp")]
+    client = s3_client(seaweed)
+    body = bytearray(client.get_object(Bucket=BUCKET, Key=f"{prefix}/{name}")["Body"].read())
+    body[12345] ^= 0x10
+    client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=bytes(body))
+    out = {"weights": torch.zeros(100_000)}
+    with pytest.raises(BaseException, match=r"checksum mismatch in tensor 'weights'") as e:
+        dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
+    assert name in str(e.value)
+
+
+class _Unsafe:
+    pass
+
+
+def test_failed_save_leaves_no_commit_record(seaweed: SeaweedServer, prefix: str) -> None:
+    url = f"s3://{BUCKET}/{prefix}"
+    sd = {"w": torch.ones(1000), "bad": _Unsafe()}
+    with pytest.raises(BaseException, match="weights_only"):
+        dcp.save(sd, storage_writer=ObjectStoreWriter(url, seaweed.storage_options()))
+    assert ".metadata" not in keys(seaweed, prefix)
+
+
+def test_existing_checkpoint_is_kept_unless_overwrite(seaweed: SeaweedServer,
+                                                      prefix: str) -> None:
+    url = f"s3://{BUCKET}/{prefix}"
+    first = {"w": torch.full((1000,), 1.0)}
+    second = {"w": torch.full((1000,), 2.0)}
+    dcp.save(first, storage_writer=ObjectStoreWriter(url, seaweed.storage_options()))
+    old = keys(seaweed, prefix)
+    with pytest.raises(BaseException, match="already holds a committed checkpoint") as e:
+        dcp.save(second, storage_writer=ObjectStoreWriter(url, seaweed.storage_options()))
+    assert "overwrite=True" in str(e.value)
+    assert keys(seaweed, prefix) == old
+    out = {"w": torch.zeros(1000)}
+    dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
+    assert torch.equal(out["w"], first["w"])
+
+    dcp.save(second, storage_writer=ObjectStoreWriter(url, seaweed.storage_options(),
+                                                      overwrite=True))
+    dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
+    assert torch.equal(out["w"], second["w"])
+    new = keys(seaweed, prefix)
+    assert not set(old) - {".metadata"} & set(new)  # the replaced data objects are gone
+
+
+def test_record_commit_refuses_a_concurrent_commit(seaweed: SeaweedServer, prefix: str) -> None:
+    """Two writers pass the existence check; only the first commit record is accepted."""
+    url = f"s3://{BUCKET}/{prefix}"
+    a = ObjectStoreWriter(url, seaweed.storage_options())
+    b = ObjectStoreWriter(url, seaweed.storage_options())
+    a.set_up_storage_writer(True, rank=0)
+    b.set_up_storage_writer(True, rank=0)
+    dcp.save({"w": torch.ones(10)}, storage_writer=a)
+    with pytest.raises(CheckpointExistsError, match="committed while this save was running"):
+        b.finish(dcp.metadata.Metadata(state_dict_metadata={}), [])
+
+
+def test_save_completes_bit_exact_through_resets_and_503s(seaweed: SeaweedServer,
+                                                          prefix: str) -> None:
+    proxy = FaultProxy(("127.0.0.1", seaweed.port), reset_fraction=0.2, error_fraction=0.2)
+    try:
+        opts = seaweed.storage_options(proxy.endpoint, **NO_BOTO_RETRY)
+        sd = state()
+        url = f"s3://{BUCKET}/{prefix}"
+        dcp.save(sd, storage_writer=ObjectStoreWriter(url, opts, part_size=5 * MiB,
+                                                      max_retries=10, retry_base_delay=0.01,
+                                                      retry_max_delay=0.1))
+        assert proxy.resets > 0 and proxy.errors > 0
+        before = proxy.requests
+        assert_bit_exact(sd, load(url, opts, sd, range_size=1 * MiB, max_retries=10,
+                                  retry_base_delay=0.01, retry_max_delay=0.1))
+        assert proxy.requests > before
+    finally:
+        proxy.close()
+
+
+def test_server_down_fails_save_clearly_and_earlier_checkpoint_loads(
+        seaweed: SeaweedServer, prefix: str) -> None:
+    proxy = FaultProxy(("127.0.0.1", seaweed.port))
+    try:
+        opts = seaweed.storage_options(proxy.endpoint, **NO_BOTO_RETRY)
+        earlier = {"w": torch.randn(50_000)}
+        dcp.save(earlier, storage_writer=ObjectStoreWriter(f"s3://{BUCKET}/{prefix}/a", opts))
+        proxy.set_down(True)
+        later_url = f"s3://{BUCKET}/{prefix}/b"
+        with pytest.raises(BaseException, match=r"StorageError: .*failed after 3 attempt") as e:
+            dcp.save({"w": torch.randn(50_000)},
+                     storage_writer=ObjectStoreWriter(later_url, opts, max_retries=2,
+                                                      retry_base_delay=0.01))
+        assert later_url in str(e.value) and "endpoint is up" in str(e.value)
+        proxy.set_down(False)
+        assert ".metadata" not in keys(seaweed, f"{prefix}/b")
+        out = {"w": torch.zeros(50_000)}
+        dcp.load(out, storage_reader=ObjectStoreReader(f"s3://{BUCKET}/{prefix}/a", opts))
+        assert torch.equal(out["w"], earlier["w"])
+    finally:
+        proxy.close()
+
+
+def test_wrong_secret_fails_without_retrying(seaweed: SeaweedServer, prefix: str) -> None:
+    url = f"s3://{BUCKET}/{prefix}"
+    dcp.save({"w": torch.ones(10)}, storage_writer=ObjectStoreWriter(
+        url, seaweed.storage_options()))
+    opts = seaweed.storage_options(secret="not-the-secret")
+    with pytest.raises(BaseException, match=r"after 1 attempt\(s\) \(HTTP 403 SignatureDoesNot"):
+        dcp.load({"w": torch.zeros(10)}, storage_reader=ObjectStoreReader(url, opts))
+
+
+def test_two_gloo_ranks_save_per_rank_objects_and_one_record(seaweed: SeaweedServer,
+                                                             prefix: str) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.dist._ranks import rank_state, save_two_ranks
+    from tests.dist._seaweed import free_ports
+
+    url = f"s3://{BUCKET}/{prefix}"
+    (port,) = free_ports(1)
+    mp.spawn(save_two_ranks, args=(2, port, url, seaweed.storage_options()), nprocs=2)
+    names = keys(seaweed, prefix)
+    assert ".metadata" in names
+    assert {n.split("_")[2] for n in names if n.endswith(".dcpp")} == {"0", "1"}
+    expected = {**rank_state(0), **rank_state(1)}
+    out = {k: torch.zeros_like(v) for k, v in expected.items()}
+    dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
+    assert_bit_exact(expected, out)
+
+
+def test_zstd_shuffle_round_trip_over_multipart(seaweed: SeaweedServer, prefix: str) -> None:
+    sd = state()
+    url = f"s3://{BUCKET}/{prefix}"
+    dcp.save(sd, storage_writer=ObjectStoreWriter(url, seaweed.storage_options(),
+                                                  part_size=5 * MiB, codec="zstd+shuffle"))
+    md = ObjectStoreReader(url, seaweed.storage_options()).read_metadata()
+    assert {e.codec for i, e in md.storage_data.items() if i.fqn == "big"} == {"zstd+shuffle"}
+    assert_bit_exact(sd, load(url, seaweed.storage_options(), sd, range_size=2 * MiB))
