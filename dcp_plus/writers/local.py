@@ -2,28 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
-import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from dcp_plus._worker import WriteJob
-from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
+from dcp_plus.errors import CheckpointExistsError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
 from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all
 from dcp_plus.format.layout import DATA_SUFFIX
 from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
+from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
@@ -35,21 +33,7 @@ _DATA_FILE = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
 _SPLIT_BYTES = 64 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class _RankInfo:
-    rank: int
-    save_id: str
-
-
-def new_save_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-def is_url(path: str | os.PathLike) -> bool:
-    return "://" in str(path)
-
-
-class LocalWriter(StorageWriter):
+class LocalWriter(CommittingWriter):
     """Checksummed, durable, atomically committed checkpoints in a local directory.
 
     Tensors that live in an :class:`~dcp_plus.stagers.ArenaStager` slab are written by the
@@ -103,16 +87,8 @@ class LocalWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return not is_url(checkpoint_id)
 
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
-
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives", True) is False:
-            # every rank would run finish() and commit a record holding only its own items
-            raise CheckpointFormatError(
-                f"{self.path}: LocalWriter needs use_collectives=True: the coordinator commits "
-                "one record of every rank's data. For a single-process save use no_dist=True"
-            )
+        self._refuse_without_collectives(kwargs)
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.save_id = new_save_id()
@@ -124,19 +100,9 @@ class LocalWriter(StorageWriter):
                 "to a new directory"
             )
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = new_save_id()
-        self.save_id = save_id  # the coordinator records the id its data files carry
-        return [dataclasses.replace(p, storage_data=_RankInfo(i, save_id))
-                for i, p in enumerate(plans)]
-
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        info = plan.storage_data
-        rank, save_id = (info.rank, info.save_id) if isinstance(info, _RankInfo) else (
-            self.rank, self.save_id)
+        info = self._plan_info(plan)
+        rank, save_id = info.rank, info.save_id
         items = resolve_items(plan, planner)
         raw_lengths = {id(r): len(r.data) for r in items}
         codec_names = {id(r): self.codecs.encode(r) for r in items}
@@ -157,15 +123,12 @@ class LocalWriter(StorageWriter):
                 sums.update(zip(ids, job_sums, strict=True))
         for f in pending:
             sums.update(f.result())
+        extents = [(r.item.index, Extent(fp.name, off, len(r.data), raw_lengths[id(r)],
+                                         codec_names[id(r)], sums[id(r)]))
+                   for fp in slab_files + local_files for r, off in fp.placed]
+        results = self._results(info, extents)
         if self.fsync:
             fsync_dir(self.path)
-        results = []
-        for fp in slab_files + local_files:
-            for r, off in fp.placed:
-                n = len(r.data)
-                ext = Extent(fp.name, off, n, raw_lengths[id(r)], codec_names[id(r)],
-                             sums[id(r)])
-                results.append(WriteResult(index=r.item.index, size_in_bytes=n, storage_data=ext))
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -209,17 +172,29 @@ class LocalWriter(StorageWriter):
         return sums
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        extents: dict[MetadataIndex, Extent] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                extents[wr.index] = wr.storage_data
-        metadata.storage_data = extents
-        metadata.storage_meta = self.storage_meta()
-        metadata.version = CURRENT_DCP_VERSION
+        extents, tables = self._collect(metadata, results)
         record = encode_record(metadata, extents)
         atomic_write(os.path.join(self.path, RECORD_NAME), record, self.save_id)
+        self._delete_tables(tables)
         if self.overwrite:
             self._remove_unreferenced({e.file for e in extents.values()})
+
+    def _put_table(self, name: str, data: bytes) -> None:
+        fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            pwrite_all(fd, memoryview(data), 0)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _get_table(self, name: str) -> bytes:
+        with open(os.path.join(self.path, name), "rb") as f:
+            return f.read()
+
+    def _delete_tables(self, names: Sequence[str]) -> None:
+        for name in names:
+            os.unlink(os.path.join(self.path, name))
 
     def _remove_unreferenced(self, keep: set[str]) -> None:
         for name in os.listdir(self.path):

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
@@ -22,17 +20,17 @@ from dcp_plus.format.layout import DATA_SUFFIX
 from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
 from dcp_plus.format.retry import RetryPolicy
+from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
-from dcp_plus.writers.local import _RankInfo, is_url, new_save_id
 
 log = logging.getLogger(__name__)
 
 _DATA_OBJECT = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
 
 
-class ObjectStoreWriter(StorageWriter):
+class ObjectStoreWriter(CommittingWriter):
     """Checksummed checkpoints in an object store (or any fsspec filesystem).
 
     Each rank uploads its data as write-once objects ``__{rank}_{k}.{save_id}.dcpp`` (S3:
@@ -106,16 +104,8 @@ class ObjectStoreWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_url(checkpoint_id)
 
-    def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
-
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("use_collectives", True) is False:
-            # every rank would run finish() and commit a record holding only its own items
-            raise CheckpointFormatError(
-                f"{self.url}: ObjectStoreWriter needs use_collectives=True: the coordinator "
-                "commits one record of every rank's data. For a single-process save use "
-                "no_dist=True")
+        self._refuse_without_collectives(kwargs)
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank") or 0)
         self.save_id = new_save_id()
@@ -130,19 +120,9 @@ class ObjectStoreWriter(StorageWriter):
                 "replace it (the old one stays loadable until the new one commits) or save "
                 "to a new prefix")
 
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        save_id = new_save_id()
-        self.save_id = save_id  # the coordinator records the id its data objects carry
-        return [dataclasses.replace(p, storage_data=_RankInfo(i, save_id))
-                for i, p in enumerate(plans)]
-
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        info = plan.storage_data
-        rank, save_id = (info.rank, info.save_id) if isinstance(info, _RankInfo) else (
-            self.rank, self.save_id)
+        info = self._plan_info(plan)
+        rank, save_id = info.rank, info.save_id
         items = resolve_items(plan, planner)
         raw_lengths = {id(r): len(r.data) for r in items}
         codec_names = {id(r): self.codecs.encode(r) for r in items}
@@ -155,31 +135,35 @@ class ObjectStoreWriter(StorageWriter):
             total = max((off + len(r.data) for r, off in fp.placed), default=0)
             objects.append((fp.name, segments, total))
         self._store.upload(objects)
-        results = []
-        for fp in files:
-            for r, off in fp.placed:
-                ext = Extent(fp.name, off, len(r.data), raw_lengths[id(r)], codec_names[id(r)],
-                             sums[id(r)])
-                results.append(WriteResult(index=r.item.index, size_in_bytes=len(r.data),
-                                           storage_data=ext))
+        extents = [(r.item.index, Extent(fp.name, off, len(r.data), raw_lengths[id(r)],
+                                         codec_names[id(r)], sums[id(r)]))
+                   for fp in files for r, off in fp.placed]
+        results = self._results(info, extents)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        extents: dict[MetadataIndex, Extent] = {}
-        for rank_results in results:
-            for wr in rank_results:
-                extents[wr.index] = wr.storage_data
-        metadata.storage_data = extents
-        metadata.storage_meta = self.storage_meta()
-        metadata.version = CURRENT_DCP_VERSION
+        extents, tables = self._collect(metadata, results)
         record = encode_record(metadata, extents)
         if not self._store.put(RECORD_NAME, record, if_absent=not self.overwrite):
             raise CheckpointExistsError(self._exists_message() + " (it was committed while "
                                         "this save was running)")
+        self._delete_tables(tables)
         if self.overwrite:
             self._remove_unreferenced({e.file for e in extents.values()})
+
+    def _put_table(self, name: str, data: bytes) -> None:
+        self._store.put(name, data, if_absent=False)
+
+    def _get_table(self, name: str) -> bytes:
+        data = self._store.get(name)
+        if data is None:
+            raise CheckpointFormatError(f"{self._store.location(name)}: extent table missing")
+        return data
+
+    def _delete_tables(self, names: Sequence[str]) -> None:
+        self._store.delete(list(names))
 
     def _remove_unreferenced(self, keep: set[str]) -> None:
         stale = [n for n in self._store.list() if _DATA_OBJECT.match(n) and n not in keep]

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_plus.planners.cached_save import CachedSavePlanner
+from dcp_plus.writers import LocalWriter
 from tests.dist._planner_world import CollectiveBytes, run_world, save_phases
 
 pytestmark = pytest.mark.timeout(300)
@@ -56,11 +57,12 @@ def _stock_cached(tag: str) -> DefaultSavePlanner:
 
 
 def _saves(planner: Any, sd: dict[str, Any], root: str, tag: str, count: int,
-           counter: CollectiveBytes, **kw: Any) -> list[dict[str, Any]]:
+           counter: CollectiveBytes, writer: Any = FileSystemWriter,
+           **kw: Any) -> list[dict[str, Any]]:
     out = []
     for i in range(count):
         counter.take()
-        dcp.save(sd, storage_writer=FileSystemWriter(f"{root}/{tag}_{i}"), planner=planner, **kw)
+        dcp.save(sd, storage_writer=writer(f"{root}/{tag}_{i}"), planner=planner, **kw)
         out.append({"hit": getattr(planner, "last_was_hit", None),
                     "bytes": save_phases(counter.take())})
     return out
@@ -92,6 +94,8 @@ def _case_bytes(rank: int, world: int, root: str, counter: CollectiveBytes) -> d
                                          counter)
         res[f"cached_dt_{n}"] = _saves(CachedSavePlanner(), _dtensors(n // 2, world), root,
                                        f"cd{n}", 3, counter)
+        res[f"local_plain_{n}"] = _saves(CachedSavePlanner(), _plain(n), root, f"lp{n}", 3,
+                                         counter, writer=LocalWriter)
     return res
 
 
@@ -303,6 +307,19 @@ def test_hit_collectives_carry_constant_bytes_independent_of_tensor_count(world2
                 assert max(_o1(g["bytes"])) < 1024
             # a miss carries the plans: 10x the tensors, several times the bytes
             assert big[0]["bytes"]["plan_gather"] > 5 * small[0]["bytes"]["plan_gather"]
+
+
+def test_with_local_writer_every_collective_of_a_hit_is_constant_size(world2):
+    # LocalWriter exchanges per-rank extent tables through storage, so the write-result
+    # gather is O(1) too: all four collectives of a hit carry the same bytes at 100 and 1000
+    for rank_res in world2:
+        b = rank_res["bytes"]
+        small, big = b["local_plain_100"], b["local_plain_1000"]
+        assert [s["hit"] for s in big] == [False, True, True]
+        for s, g in zip(small[1:], big[1:], strict=True):
+            phases = ("plan_gather", "plan_scatter", "write_gather", "metadata_broadcast")
+            assert all(abs(s["bytes"][k] - g["bytes"][k]) <= 16 for k in phases), (s, g)
+            assert max(g["bytes"][k] for k in phases) < 1024, g
 
 
 def test_stock_cached_planner_still_broadcasts_metadata_that_grows(world2):
