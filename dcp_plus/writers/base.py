@@ -62,6 +62,19 @@ class CommittingWriter(StorageWriter):
 
     save_id: str
     rank: int
+    _transient: tuple[str, ...] = ()
+    """Attributes dropped when DCP pickles the writer into its PROCESS-mode daemon."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._transient:
+            state[name] = None
+        return state
+
+    def _exists_message(self) -> str:
+        return (f"{self.checkpoint_id} already holds a committed checkpoint; pass overwrite=True "
+                "to replace it (the old one stays loadable until the new one commits) or save "
+                "to a new location")
 
     @property
     def checkpoint_id(self) -> str:

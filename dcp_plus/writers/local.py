@@ -53,6 +53,8 @@ class LocalWriter(CommittingWriter):
             threads rather than from the stager's slabs.
     """
 
+    _transient = ("_io",)
+
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, workers: int = 2,
                  threads: int = 2, fsync: bool = True, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None) -> None:
@@ -67,12 +69,6 @@ class LocalWriter(CommittingWriter):
         self.rank = 0
         self.is_coordinator = True
         self._io: ThreadPoolExecutor | None = None
-
-    # DCP pickles writers into its PROCESS-mode daemon: drop the thread pool.
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_io"] = None
-        return state
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -94,11 +90,7 @@ class LocalWriter(CommittingWriter):
         self.save_id = new_save_id()
         os.makedirs(self.path, exist_ok=True)
         if not self.overwrite and os.path.exists(os.path.join(self.path, RECORD_NAME)):
-            raise CheckpointExistsError(
-                f"{self.path} already holds a committed checkpoint; pass overwrite=True to "
-                "replace it (the old one stays loadable until the new one commits) or save "
-                "to a new directory"
-            )
+            raise CheckpointExistsError(self._exists_message())
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = self._plan_info(plan)

@@ -60,6 +60,8 @@ class ObjectStoreWriter(CommittingWriter):
         StorageError: a request kept failing after ``max_retries`` retries.
     """
 
+    _transient = ("_store_obj",)  # the store reconnects in DCP's PROCESS-mode daemon
+
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
                  overwrite: bool = False, part_size: int = 32 << 20, concurrency: int = 8,
                  max_retries: int = 5, retry_base_delay: float = 0.2,
@@ -77,12 +79,6 @@ class ObjectStoreWriter(CommittingWriter):
         self.rank = 0
         self.is_coordinator = True
         self._store_obj: ObjectStore | None = None
-
-    # DCP pickles writers into its PROCESS-mode daemon: the store reconnects there.
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_store_obj"] = None
-        return state
 
     @property
     def _store(self) -> ObjectStore:
@@ -114,11 +110,6 @@ class ObjectStoreWriter(CommittingWriter):
 
     def _committed(self) -> bool:
         return self._store.sizes([RECORD_NAME])[RECORD_NAME] is not None
-
-    def _exists_message(self) -> str:
-        return (f"{self.url} already holds a committed checkpoint; pass overwrite=True to "
-                "replace it (the old one stays loadable until the new one commits) or save "
-                "to a new prefix")
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = self._plan_info(plan)
