@@ -9,7 +9,7 @@ from dcp_plus.capacity.units import human_bytes, human_count, human_duration
 def render_text(plan: CapacityPlan) -> str:
     """The report ``dcp-plus plan`` prints (decimal units, times rounded for reading)."""
     x = plan.inputs
-    ti = x.iteration_s
+    every_s = plan.checkfreq_interval_steps * x.iteration_s
     lines = [
         f"state: {human_bytes(plan.state_bytes)} ({human_count(x.params)} params x "
         f"{x.bytes_per_param:g} B); {human_bytes(plan.per_rank_state_bytes)} per rank; "
@@ -19,7 +19,7 @@ def render_text(plan: CapacityPlan) -> str:
         f"persist (at {x.storage_gbps:g} GB/s aggregate): {human_duration(plan.persist_s)}; "
         f"load on restart: {human_duration(plan.load_s)}",
         f"CheckFreq interval for a {x.overhead_budget:.0%} budget: every "
-        f"{plan.checkfreq_interval_steps} steps ({human_duration(plan.checkfreq_interval_steps * ti)}), "
+        f"{plan.checkfreq_interval_steps} steps ({human_duration(every_s)}), "
         f"overhead {plan.checkfreq_overhead_fraction:.1%}",
         f"Young/Daly interval (sync, MTBF {human_duration(x.mtbf_s)}): "
         f"{human_duration(plan.daly_interval_s)} = {plan.daly_interval_steps} steps",
