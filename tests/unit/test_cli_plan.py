@@ -70,3 +70,11 @@ def test_plan_runs_without_importing_torch():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "13.5 min" in proc.stdout
+
+
+def test_the_example_in_docs_cli_md_is_what_the_command_prints(capsys):
+    text = (ROOT / "docs" / "cli.md").read_text()
+    first, second, *printed = text.split("$ dcp-plus plan ", 1)[1].split("```", 1)[0].split("\n")
+
+    assert main(["plan", *first.rstrip("\\").split(), *second.split()]) == 0
+    assert capsys.readouterr().out == "\n".join(printed)
