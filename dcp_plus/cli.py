@@ -1,4 +1,4 @@
-"""The ``dcp-plus`` command: ``demo``, ``inspect PATH``, ``verify PATH``."""
+"""The ``dcp-plus`` command: ``demo``, ``inspect PATH``, ``verify PATH``, ``plan``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if run(args.path, steps=args.steps, every=args.every) else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from dcp_plus.capacity import plan_capacity, render_text
+    from dcp_plus.capacity.args import inputs_from_args
+
+    plan = plan_capacity(inputs_from_args(args))
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else render_text(plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcp-plus", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -83,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
+
+    from dcp_plus.capacity.args import add_plan_arguments
+
+    pl = sub.add_parser("plan", help="checkpoint cost, intervals, memory and goodput for a job")
+    add_plan_arguments(pl)
+    pl.set_defaults(func=cmd_plan)
     return p
 
 
