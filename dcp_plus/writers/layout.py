@@ -25,7 +25,8 @@ def plan_files(items: list[ResolvedItem], rank: int, save_id: str,
     """Split items into slab-backed files and in-process files.
 
     Slab-backed items get one file per slab whose offsets mirror the slab offsets, so the
-    file is the slab's byte image and adjacent extents coalesce into few large writes.
+    file is the slab's byte image and adjacent extents coalesce into few large writes; runs
+    of items this rank does not write (e.g. an HSDP replica's share) are closed up.
     Other items are spread over ``bins`` files of similar size, written in parallel.
     """
     counter = iter(range(1 << 30))
@@ -37,9 +38,8 @@ def plan_files(items: list[ResolvedItem], rank: int, save_id: str,
     slab_files = []
     for group in by_slab.values():
         group.sort(key=lambda r: r.slab.offset if r.slab else 0)
-        base = group[0].slab.offset // ALIGNMENT * ALIGNMENT if group[0].slab else 0
         fp = FilePlan(data_file_name(rank, next(counter), save_id))
-        fp.placed = [(r, r.slab.offset - base) for r in group if r.slab]
+        fp.placed = _mirror_slab(group)
         slab_files.append(fp)
 
     local_files: list[FilePlan] = []
@@ -61,3 +61,20 @@ def plan_files(items: list[ResolvedItem], rank: int, save_id: str,
                 offset = align_up(offset + len(r.data))
             local_files.append(fp)
     return slab_files, local_files
+
+
+def _mirror_slab(group: list[ResolvedItem]) -> list[tuple[ResolvedItem, int]]:
+    """4 KiB-aligned file offsets that repeat the slab's deltas across alignment padding (so
+    a stager slab's neighbours coalesce into one write) and close larger gaps, which hold
+    items written by another rank."""
+    placed: list[tuple[ResolvedItem, int]] = []
+    slab_end = file_end = 0
+    for r in group:
+        assert r.slab is not None
+        gap = r.slab.offset - slab_end
+        mirrored = file_end + gap
+        offset = (mirrored if placed and 0 <= gap < ALIGNMENT and mirrored % ALIGNMENT == 0
+                  else align_up(file_end))
+        placed.append((r, offset))
+        slab_end, file_end = r.slab.offset + r.slab.length, offset + r.slab.length
+    return placed

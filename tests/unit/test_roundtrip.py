@@ -116,9 +116,9 @@ def test_slab_tensors_are_written_by_worker_processes_as_the_slab_image(tmp_path
     for name, off in offsets.items():
         ext = extents[name]
         assert ext["file"] == slab_file, name
-        # the first slab tensor starts at offset 0, so file offsets equal slab offsets
-        assert ext["offset"] == off, name
-        assert image[off : off + ext["length"]] == whole[off : off + ext["length"]], name
+        assert ext["offset"] % 4096 == 0, name  # the format's alignment, whatever the slab's
+        at = ext["offset"]
+        assert image[at : at + ext["length"]] == whole[off : off + ext["length"]], name
     del image, whole
 
     loaded = load(load_target(expected), tmp_path / "ckpt")
