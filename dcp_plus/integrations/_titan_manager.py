@@ -64,6 +64,9 @@ class DcpPlusCheckpointManager(CheckpointManager):
     the same writer and planner.
     """
 
+    staging_future: Future | None
+    save_future: Future | None
+
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
         async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"

@@ -15,7 +15,7 @@ Shims (TorchTitan 0.3.0 assumes an accelerator):
   imported at start-up but used only by MoE expert parallelism, is replaced by stubs;
 * ``torch.distributed.barrier(device_ids=...)``: gloo takes no device ids, they are dropped;
 * recorded for the tests: every logged step's loss (full precision) is appended to
-  ``$DCPP_TITAN_LOSSES`` on rank 0; ``$DCPP_TITAN_KILL_AT=N`` makes every rank SIGKILL itself
+  ``$DCPP_TITAN_LOSSES`` on rank 0; ``$DCPP_TITAN_SAVES`` gets each save's blocking time; ``$DCPP_TITAN_KILL_AT=N`` makes every rank SIGKILL itself
   when step N starts (a deterministic ``kill -9`` of the whole job).
 Attention (SDPA instead of FlexAttention), SUM reductions and the SPMD backend are set in
 the recipe ``tests.dist._titan_recipe``.
@@ -96,6 +96,9 @@ def apply_test_hooks() -> None:
             return log(self, step, global_avg_loss, *args, **kwargs)
 
         MetricsProcessor.log = log_loss  # type: ignore[method-assign]
+    saves = os.environ.get("DCPP_TITAN_SAVES")
+    if saves:
+        _record_save_times(saves)
     kill_at = int(os.environ.get("DCPP_TITAN_KILL_AT", "0"))
     if kill_at:
         train_step = Trainer.train_step
@@ -106,6 +109,43 @@ def apply_test_hooks() -> None:
             return train_step(self, *args, **kwargs)
 
         Trainer.train_step = maybe_die  # type: ignore[method-assign]
+
+
+def _record_save_times(path: str) -> None:
+    """Append, per rank and save, the time ``save()`` and the following
+    ``maybe_wait_for_staging()`` held the training loop (any checkpoint manager)."""
+    import time
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+
+    save, wait = BaseCheckpointManager.save, BaseCheckpointManager.maybe_wait_for_staging
+    pending: dict[str, Any] = {}
+
+    def flush() -> None:
+        if pending:
+            with open(path, "a") as f:
+                f.write(json.dumps(pending) + "\n")
+            pending.clear()
+
+    def timed_save(self: Any, curr_step: int, last_step: bool = False) -> bool:
+        t0 = time.perf_counter()
+        saved = save(self, curr_step, last_step)
+        if saved:
+            flush()
+            pending.update(rank=dist.get_rank(), step=curr_step, last=last_step,
+                           blocking_s=time.perf_counter() - t0, staging_wait_s=0.0)
+            if last_step:
+                flush()
+        return saved
+
+    def timed_wait(self: Any) -> None:
+        t0 = time.perf_counter()
+        wait(self)
+        if pending:
+            pending["staging_wait_s"] += time.perf_counter() - t0
+
+    BaseCheckpointManager.save = timed_save  # type: ignore[method-assign]
+    BaseCheckpointManager.maybe_wait_for_staging = timed_wait  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -52,6 +52,7 @@ def stock_cpu() -> Trainer.Config:
     config.checkpoint.keep_latest_k = 0
     config.checkpoint.last_save_model_only = True
     config.compile.enable = False
+    config.debug.seed = 1234  # the same initial weights in every run
     return config
 
 

@@ -33,12 +33,11 @@ def run_titan(args: list[str], workdir: Path, *, world: int = 2, env: dict[str, 
                 HF_HOME=str(workdir / "hf_home"), TORCHINDUCTOR_CACHE_DIR=str(workdir / "ind"))
     procs = []
     for r in range(world):
-        log = open(workdir / f"{name}.rank{r}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.dist._titan_rank", *args],
-            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=workdir,
-            stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        with open(workdir / f"{name}.rank{r}.log", "w") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.dist._titan_rank", *args],
+                env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=workdir,
+                stdout=log, stderr=subprocess.STDOUT))
     codes = []
     try:
         for p in procs:
