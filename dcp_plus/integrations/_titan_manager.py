@@ -45,6 +45,8 @@ class SaveRecord:
     ``disabled`` and ``last`` the whole write)."""
     staging_wait_s: float = 0.0
     """Time the next ``maybe_wait_for_staging()`` (before ``optimizer.step()``) waited."""
+    plan_cache_hit: bool | None = None
+    """Whether every rank reused a cached plan (known once the save has finished)."""
 
 
 class DcpPlusCheckpointManager(CheckpointManager):
@@ -217,6 +219,10 @@ class DcpPlusCheckpointManager(CheckpointManager):
         if not self._should_save(curr_step, last_step):
             return False
         self.maybe_wait_for_saving()
+        if self.saves and isinstance(self._planner, CachedSavePlanner):
+            self.saves[-1].plan_cache_hit = self._planner.last_was_hit
+            log.info("dcp_plus: step %d save reused its cached plan: %s", self.saves[-1].step,
+                     self._planner.last_was_hit)
         begin = time.monotonic()
         if last_step:
             self._save_last_step(curr_step)

@@ -118,3 +118,10 @@ def test_saves_report_their_blocking_time(titan: dict[str, Any]) -> None:
     steps = sorted({s["step"] for s in saves})
     assert steps == [3, 6, 9, 12]
     assert {s["rank"] for s in saves} == {0, 1}
+
+
+def test_full_saves_after_the_first_reuse_the_cached_plan(titan: dict[str, Any]) -> None:
+    log = (titan["root"] / "A.rank0.log").read_text()
+    assert "step 3 save reused its cached plan: False" in log  # first of its structure
+    assert "step 6 save reused its cached plan: True" in log
+    assert "step 9 save reused its cached plan: True" in log
