@@ -1,0 +1,81 @@
+"""Save blocking time in a real TorchTitan loop: TorchTitan's async modes vs dcp_plus.
+
+Runs the CPU test recipe (llama3 debug model, FSDP over 2 gloo ranks; see
+``tests/dist/_titan_recipe.py`` and the shims in ``tests/dist/_titan_rank.py``) once per mode,
+all in one invocation, and reports per save the time ``CheckpointManager.save()`` held the
+loop plus the time the next ``maybe_wait_for_staging()`` (before ``optimizer.step()``) waited,
+the slower rank of each save counted::
+
+    python -m benchmarks.torchtitan --steps 40 --interval 5
+
+Needs ``dcp-plus[torchtitan]``. ``async_with_pinned_mem`` needs CUDA (DCP's pinned staging
+asserts an accelerator): on a CPU-only machine it is attempted and reported as failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from tests.dist._titan_assets import make_dataset, make_tokenizer
+from tests.dist._titan_run import log_tail, run_titan
+
+MODES = {
+    "torchtitan async": ("stock_cpu", ["--checkpoint.async_mode", "async"]),
+    "torchtitan async_with_pinned_mem": ("stock_cpu",
+                                         ["--checkpoint.async_mode", "async_with_pinned_mem"]),
+    "dcp_plus async": ("stock_cpu", ["--override.imports",
+                                     "dcp_plus.integrations.torchtitan.use_dcp_plus",
+                                     "--checkpoint.async_mode", "async"]),
+    "dcp_plus async, stager_buffers=2": (
+        "stock_cpu", ["--override.imports",
+                      'dcp_plus.integrations.torchtitan.use_dcp_plus={"stager_buffers": 2}',
+                      "--checkpoint.async_mode", "async"]),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--interval", type=int, default=5)
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--modes", nargs="*", default=list(MODES))
+    args = ap.parse_args()
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="titan-bench-"))
+    tok, data = make_tokenizer(root / "tokenizer"), make_dataset(root / "data", documents=2000)
+    print("| mode | saves | first save ms | later saves: median ms | max ms | "
+          "staging wait ms (median) |\n|---|---|---|---|---|---|")
+    for i, mode in enumerate(args.modes):
+        config, extra = MODES[mode]
+        name = f"m{i}"
+        saves = root / f"{name}.saves.jsonl"
+        cmd = ["--module", "tests.dist._titan_recipe", "--config", config,
+               "--hf_assets_path", str(tok), "--dataloader.dataset_path", str(data),
+               "--dump_folder", str(root / name), "--training.steps", str(args.steps),
+               "--checkpoint.interval", str(args.interval), "--checkpoint.keep_latest_k", "3",
+               *extra]
+        codes = run_titan(cmd, root, env={"DCPP_TITAN_SAVES": str(saves)}, name=name,
+                          timeout=900)
+        if codes != [0, 0]:
+            tail = log_tail(root, name, lines=6).splitlines()
+            why = next((ln for ln in reversed(tail) if "Error" in ln), tail[-1])
+            print(f"| {mode} | failed: `{why.strip()[:120]}` | | | | |")
+            continue
+        per_step: dict[int, list[dict]] = {}
+        for line in saves.read_text().splitlines():
+            r = json.loads(line)
+            if not r["last"]:
+                per_step.setdefault(r["step"], []).append(r)
+        steps = sorted(per_step)
+        block = [1e3 * max(r["blocking_s"] for r in per_step[s]) for s in steps]
+        wait = [1e3 * max(r["staging_wait_s"] for r in per_step[s]) for s in steps]
+        later = block[1:] or block
+        print(f"| {mode} | {len(steps)} | {block[0]:.1f} | {statistics.median(later):.1f} | "
+              f"{max(later):.1f} | {statistics.median(wait):.2f} |")
+
+
+if __name__ == "__main__":
+    main()

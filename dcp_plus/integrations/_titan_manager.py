@@ -1,0 +1,287 @@
+"""TorchTitan's ``CheckpointManager`` with saves and loads routed through dcp_plus.
+
+Imported only through :mod:`dcp_plus.integrations.torchtitan`, which checks that TorchTitan is
+installed first. See ``docs/torchtitan.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
+
+from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
+from dcp_plus.readers import LocalReader, ObjectStoreReader
+from dcp_plus.stagers import ArenaStager
+from dcp_plus.writers import LocalWriter, ObjectStoreWriter, shutdown_pool
+
+log = logging.getLogger(__name__)
+
+_CODECS = ("identity", "zstd", "zstd+shuffle")
+
+
+def _is_url(path: str) -> bool:
+    return "://" in path
+
+
+@dataclass(slots=True)
+class SaveRecord:
+    """What one save cost the training loop (kept in ``DcpPlusCheckpointManager.saves``)."""
+
+    step: int
+    mode: str
+    """``async``, ``async_with_pinned_mem``, ``disabled`` or ``last``."""
+    blocking_s: float
+    """Time ``save()`` held the training loop (flatten, stage submission, plan; for
+    ``disabled`` and ``last`` the whole write)."""
+    staging_wait_s: float = 0.0
+    """Time the next ``maybe_wait_for_staging()`` (before ``optimizer.step()``) waited."""
+    plan_cache_hit: bool | None = None
+    """Whether every rank reused a cached plan (known once the save has finished)."""
+
+
+class DcpPlusCheckpointManager(CheckpointManager):
+    """TorchTitan's DCP checkpoint manager, saving and loading through dcp_plus.
+
+    Saves stage into an :class:`~dcp_plus.stagers.ArenaStager` (async modes), plan with a
+    :class:`~dcp_plus.planners.CachedSavePlanner` and write with
+    :class:`~dcp_plus.writers.LocalWriter` (or ``ObjectStoreWriter`` for URLs). Loads read
+    with :class:`~dcp_plus.readers.LocalReader` (checksums verified) and
+    :class:`~dcp_plus.planners.SafeLoadPlanner` (no unpickling). Everything else is
+    TorchTitan's: step folders ``step-N``, ``interval``, ``keep_latest_k``, ``load_step``,
+    ``exclude_from_loading``, ``initial_load_path``, the model-only last save (HF export
+    included), and the train-state / dataloader / LR-scheduler states it saves.
+
+    ``async_mode="async"`` and ``"async_with_pinned_mem"`` both stage into the arena (pinned
+    by the stager itself when tensors are on CUDA); ``"disabled"`` writes synchronously with
+    the same writer and planner.
+    """
+
+    staging_future: Future | None
+    save_future: Future | None
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"
+        """Save mode. Both async modes stage into dcp_plus's ArenaStager."""
+
+        async_executor: Literal["thread", "process"] = "thread"
+        """Where DCP runs the upload of an async save: a thread of the trainer, or DCP's
+        background process (which then also plans; the stager hands it slab names)."""
+
+        stager_buffers: int = 1
+        """ArenaStager buffers: 1 waits for the previous persist before a new snapshot; 2 lets
+        a snapshot be taken while the previous one persists (twice the shared memory)."""
+
+        stager_max_bytes: int | None = None
+        """Upper bound on the stager's shared memory; ``None`` for none."""
+
+        stager_threads: int | None = None
+        """CPU copy threads of the stager (default: min(2, cpu count))."""
+
+        planner: Literal["cached", "default"] = "cached"
+        """``cached``: CachedSavePlanner (plans once per state-dict structure);
+        ``default``: DCP's DefaultSavePlanner."""
+
+        plan_cache_size: int = 4
+        """Structures the CachedSavePlanner remembers (full and model-only saves use two)."""
+
+        writer: Literal["auto", "local", "object_store"] = "auto"
+        """``auto``: ObjectStoreWriter when the checkpoint folder is a URL (``s3://...``),
+        LocalWriter otherwise."""
+
+        storage_options: dict[str, Any] = field(default_factory=dict)
+        """fsspec storage options for ObjectStoreWriter/Reader, passed through untouched."""
+
+        writer_workers: int = 2
+        """LocalWriter: size of the shared writer-process pool."""
+
+        writer_threads: int = 2
+        """LocalWriter: parallel files for data outside the stager's slabs."""
+
+        fsync: bool = True
+        """LocalWriter: fsync data files and directories."""
+
+        compression: Literal["identity", "zstd", "zstd+shuffle"] = "identity"
+        """Codec for every tensor."""
+
+        verify_on_load: bool = True
+        """Check every extent's checksum while loading."""
+
+        allow_pickle_on_load: bool = False
+        """Also load stock-DCP checkpoints (e.g. an ``initial_load_path`` written by
+        TorchTitan's own manager), whose ``.metadata`` is a pickle. Only for trusted
+        checkpoints."""
+
+        adaptive_budget: float | None = None
+        """Reserved: the overhead budget of ``dcp_plus.schedule.AdaptiveInterval``
+        (CheckFreq), to replace ``interval``. Not available in this build: setting it raises
+        at start-up."""
+
+        def __post_init__(self) -> None:
+            CheckpointManager.Config.__post_init__(self)
+            if self.stager_buffers not in (1, 2):
+                raise ValueError(
+                    f"checkpoint.stager_buffers must be 1 or 2, got {self.stager_buffers}")
+            if self.plan_cache_size < 1:
+                raise ValueError(
+                    f"checkpoint.plan_cache_size must be >= 1, got {self.plan_cache_size}")
+            if self.compression not in _CODECS:
+                raise ValueError(f"checkpoint.compression must be one of {_CODECS}, got "
+                                 f"{self.compression!r}")
+            if self.adaptive_budget is not None and not 0 < self.adaptive_budget < 1:
+                raise ValueError("checkpoint.adaptive_budget must be in (0, 1), got "
+                                 f"{self.adaptive_budget}")
+            if self.writer == "local" and _is_url(self.folder):
+                raise ValueError(f"checkpoint.writer='local' cannot write to the URL "
+                                 f"{self.folder!r}; use writer='object_store' or 'auto'")
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if not self.enable:
+            return
+        self.dcpp = config
+        self.saves: list[SaveRecord] = []
+        # one planner for full and model-only (last-step) saves: its cache holds both
+        self._planner = self._make_save_planner()
+        self.stager: ArenaStager | None = None  # type: ignore[assignment]
+        if self.async_mode != AsyncMode.DISABLED:
+            self.stager = ArenaStager(buffers=config.stager_buffers,
+                                      max_bytes=config.stager_max_bytes,
+                                      num_threads=config.stager_threads)
+        self._executor = (AsyncCheckpointerType.PROCESS if config.async_executor == "process"
+                          else AsyncCheckpointerType.THREAD)
+        if config.adaptive_budget is not None:
+            raise NotImplementedError(
+                "checkpoint.adaptive_budget needs dcp_plus.schedule.AdaptiveInterval, which "
+                "this dcp_plus build does not include yet; leave it unset and use interval")
+
+    # -- factories ----------------------------------------------------------------------
+
+    def _make_save_planner(self) -> DefaultSavePlanner:
+        if self.dcpp.planner == "cached":
+            return CachedSavePlanner(cache_size=self.dcpp.plan_cache_size)
+        return DefaultSavePlanner()
+
+    def _uses_object_store(self, path: str) -> bool:
+        kind = self.dcpp.writer
+        return kind == "object_store" or (kind == "auto" and _is_url(path))
+
+    def make_writer(self, checkpoint_id: str) -> StorageWriter:
+        """The storage writer for one save (a new one per save, as DCP expects)."""
+        if self._uses_object_store(checkpoint_id):
+            return ObjectStoreWriter(checkpoint_id, self.dcpp.storage_options, overwrite=True,
+                                     codec=self.dcpp.compression)
+        # overwrite: like TorchTitan's FileSystemWriter, a save replaces the same step's
+        # checkpoint (e.g. after resuming from an earlier load_step); the old one stays
+        # loadable until the new commit record is in place.
+        return LocalWriter(checkpoint_id, overwrite=True, workers=self.dcpp.writer_workers,
+                           threads=self.dcpp.writer_threads, fsync=self.dcpp.fsync,
+                           codec=self.dcpp.compression)
+
+    def make_reader(self, checkpoint_id: str) -> StorageReader:
+        """The storage reader for one load."""
+        if self._uses_object_store(checkpoint_id):
+            return ObjectStoreReader(checkpoint_id, self.dcpp.storage_options,
+                                     verify=self.dcpp.verify_on_load)
+        return LocalReader(checkpoint_id, verify=self.dcpp.verify_on_load,
+                           allow_pickle=self.dcpp.allow_pickle_on_load)
+
+    # -- save -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False,
+                 to_hf: bool = False) -> Future | AsyncSaveResponse | None:
+        """One DCP save through dcp_plus; the HF export path stays TorchTitan's."""
+        if to_hf:
+            return CheckpointManager.dcp_save(self, state_dict, checkpoint_id, async_mode,
+                                              enable_garbage_collection, to_hf)
+        writer = self.make_writer(checkpoint_id)
+        if async_mode == AsyncMode.DISABLED:
+            dcp.save(state_dict, storage_writer=writer, planner=self._planner)
+            return None
+        return dcp.async_save(state_dict, storage_writer=writer, planner=self._planner,
+                              process_group=self.pg, async_stager=self.stager,
+                              async_checkpointer_type=self._executor)
+
+    @torch.no_grad()
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        if not self._should_save(curr_step, last_step):
+            return False
+        self.maybe_wait_for_saving()
+        if self.saves and isinstance(self._planner, CachedSavePlanner):
+            self.saves[-1].plan_cache_hit = self._planner.last_was_hit
+            log.info("dcp_plus: step %d save reused its cached plan: %s", self.saves[-1].step,
+                     self._planner.last_was_hit)
+        begin = time.monotonic()
+        if last_step:
+            self._save_last_step(curr_step)
+            self._record(SaveRecord(curr_step, "last", time.monotonic() - begin))
+            return True
+        states = self._flattened_model_states_sd()
+        result = self.dcp_save(states, checkpoint_id=self._create_checkpoint_id(curr_step),
+                               async_mode=self.async_mode)
+        if isinstance(result, AsyncSaveResponse):
+            self.staging_future = result.staging_completion
+            self.save_future = result.upload_completion
+        self._purge_stale_checkpoints()
+        self._record(SaveRecord(curr_step, self.async_mode.value, time.monotonic() - begin))
+        log.info("dcp_plus: step %d checkpoint %s in %.3f s (blocking)", curr_step,
+                 "staged" if result is not None else "saved", self.saves[-1].blocking_s)
+        return True
+
+    def _record(self, rec: SaveRecord) -> None:
+        self.saves.append(rec)
+
+    def _maybe_wait_for_staging(self) -> None:
+        if self.staging_future is None:
+            return
+        begin = time.monotonic()
+        assert self.stager is not None
+        self.stager.synchronize_staging()
+        self.staging_future.result()
+        self.staging_future = None
+        waited = time.monotonic() - begin
+        if self.saves:
+            self.saves[-1].staging_wait_s += waited
+
+    def _wait_for_saving(self) -> None:
+        assert self.save_future is not None
+        self.save_future.result()
+        self.save_future = None
+
+    # -- load -----------------------------------------------------------------------------
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool,
+                 from_quantized: bool) -> None:
+        """One DCP load through dcp_plus's reader and SafeLoadPlanner (HF loads unchanged)."""
+        if from_hf:
+            CheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+            return
+        planner = (DefaultLoadPlanner() if self.dcpp.allow_pickle_on_load
+                   else SafeLoadPlanner())
+        dcp.load(state_dict, storage_reader=self.make_reader(checkpoint_id), planner=planner)
+        if MODEL in self.states:
+            self.states[MODEL].load_state_dict(state_dict)
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    def _close(self) -> None:
+        try:
+            if self.save_future is not None:
+                self.save_future.result()
+                self.save_future = None
+        finally:
+            CheckpointManager._close(self)  # closes self.stager and the purge thread
+            shutdown_pool()  # the shared writer processes (restarted on next use)
+

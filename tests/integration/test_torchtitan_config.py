@@ -1,0 +1,51 @@
+"""DcpPlusCheckpointManager.Config, the override and the recipe helper (needs TorchTitan)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip(
+    "torchtitan",
+    reason="TorchTitan is not installed (pip install 'dcp-plus[torchtitan]', torchtitan==0.3.0)")
+
+
+def test_override_keeps_every_torchtitan_field_and_sets_new_ones() -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from dcp_plus.integrations.torchtitan import DcpPlusCheckpointManager, use_dcp_plus
+
+    stock = CheckpointManager.Config(enable=True, interval=7, keep_latest_k=3, load_step=14,
+                                     exclude_from_loading=["dataloader"],
+                                     async_mode="async")
+    cfg = use_dcp_plus(stock, stager_buffers=2, compression="zstd")
+    assert type(cfg) is DcpPlusCheckpointManager.Config
+    assert (cfg.interval, cfg.keep_latest_k, cfg.load_step) == (7, 3, 14)
+    assert cfg.exclude_from_loading == ["dataloader"] and cfg.async_mode == "async"
+    assert (cfg.stager_buffers, cfg.compression, cfg.planner) == (2, "zstd", "cached")
+    assert cfg._owner is DcpPlusCheckpointManager
+
+
+@pytest.mark.parametrize("bad", [{"stager_buffers": 3}, {"plan_cache_size": 0},
+                                 {"compression": "lz4"}, {"adaptive_budget": 1.5},
+                                 {"writer": "local", "folder": "s3://b/run"}])
+def test_invalid_settings_are_refused_at_config_time(bad: dict) -> None:
+    from dcp_plus.integrations.torchtitan import DcpPlusCheckpointManager
+
+    with pytest.raises(ValueError, match="checkpoint\\."):
+        DcpPlusCheckpointManager.Config(enable=True, **bad)
+
+
+def test_recipe_helper_switches_the_trainer_checkpoint_config() -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from dcp_plus.integrations.torchtitan import DcpPlusCheckpointManager, with_dcp_plus
+
+    # a Trainer.Config stand-in: importing torchtitan.trainer needs triton on CPU machines
+    trainer_cfg = types.SimpleNamespace(
+        checkpoint=CheckpointManager.Config(last_save_model_only=False))
+    cfg = with_dcp_plus(trainer_cfg, fsync=False)
+    assert isinstance(cfg.checkpoint, DcpPlusCheckpointManager.Config)
+    assert cfg.checkpoint.last_save_model_only is False  # the recipe's own value is kept
+    assert cfg.checkpoint.fsync is False
