@@ -265,3 +265,13 @@ def test_writer_pickles_without_its_open_store(tmp_path: Path) -> None:
     assert w._store is not None
     clone = pickle.loads(pickle.dumps(w))
     assert clone._store_obj is None and clone.url == str(tmp_path / "ckpt")
+
+
+def test_stock_dcp_checkpoint_needs_allow_pickle(tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    sd = {"w": torch.arange(10.0)}
+    dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
+    with pytest.raises(BaseException, match=r"NFSReader\(path, allow_pickle=True\)"):
+        load(sd, tmp_path)
+    assert_bit_exact(load(sd, tmp_path, allow_pickle=True), sd)
