@@ -136,6 +136,9 @@ class _DirStore:
     def _size(self, name: str) -> int:
         raise NotImplementedError
 
+    def _read_all(self, name: str) -> bytes:
+        raise NotImplementedError
+
     def _link(self, src: str, dst: str) -> None:
         raise NotImplementedError
 
@@ -187,16 +190,9 @@ class _DirStore:
     def get(self, name: str) -> bytes | None:
         def attempt(_: int) -> bytes | None:
             try:
-                size = self._size(name)
-                buf = bytearray(size)
-                h = self._open(name, write=False)
+                return self._read_all(name)  # to EOF: no size taken first, so no race
             except (FileNotFoundError, NotADirectoryError):
                 return None
-            try:
-                self._read_at(h, memoryview(buf), 0, self.location(name))
-            finally:
-                self._close(h)
-            return bytes(buf)
         return self._retry(attempt, f"read of {self.location(name)}")
 
     def _write_file(self, name: str, segments: Segments, total: int) -> None:
@@ -335,6 +331,10 @@ class FileStore(_DirStore):
         finally:
             os.close(fd)
 
+    def _read_all(self, name: str) -> bytes:
+        with open(self._path(name), "rb") as f:
+            return f.read()
+
     def _link(self, src: str, dst: str) -> None:
         os.link(self._path(src), self._path(dst))
 
@@ -440,6 +440,10 @@ class NfsStore(_DirStore):
 
     def _size(self, name: str) -> int:
         return int(self.client.stat(self._path(name)).size)  # GETATTR: nfs-rs keeps no cache
+
+    def _read_all(self, name: str) -> bytes:
+        with self.client.open(self._path(name), "rb") as f:
+            return bytes(f.read())
 
     def _link(self, src: str, dst: str) -> None:
         self.client.link(self._path(src), self._path(dst))
