@@ -14,6 +14,8 @@ _EXPORTS = {
     "ArenaStager": "dcp_plus.stagers",
     "LocalWriter": "dcp_plus.writers",
     "LocalReader": "dcp_plus.readers",
+    "NFSWriter": "dcp_plus.writers",
+    "NFSReader": "dcp_plus.readers",
     "ObjectStoreWriter": "dcp_plus.writers",
     "ObjectStoreReader": "dcp_plus.readers",
     "SafeLoadPlanner": "dcp_plus.planners",
@@ -45,9 +47,9 @@ if TYPE_CHECKING:
     )
     from dcp_plus.format import ZstdCodec
     from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
-    from dcp_plus.readers import LocalReader, ObjectStoreReader
+    from dcp_plus.readers import LocalReader, NFSReader, ObjectStoreReader
     from dcp_plus.stagers import ArenaStager
-    from dcp_plus.writers import LocalWriter, ObjectStoreWriter
+    from dcp_plus.writers import LocalWriter, NFSWriter, ObjectStoreWriter
 
 
 def __getattr__(name: str) -> Any:

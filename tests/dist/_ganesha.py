@@ -1,0 +1,132 @@
+"""A real NFSv4 server for tests: nfs-ganesha with the VFS FSAL (Debian ``nfs-ganesha`` +
+``nfs-ganesha-vfs``).
+
+NFSv4 only (no rpcbind, NLM or RQUOTA), bound to 127.0.0.1 on a free port, exporting a
+fresh directory on the ext4 root file system (not tmpfs: the VFS FSAL needs file handles
+by name) as ``/export`` to 127.0.0.1 only. Its recovery directory, log and PID file live in
+the same temporary tree, so concurrent test sessions do not share state. Stopped by PID
+(SIGTERM, then SIGKILL) when the fixture ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+PSEUDO = "export"
+START_TIMEOUT_S = 30.0
+
+
+def ganesha_binary() -> str | None:
+    return shutil.which("ganesha.nfsd") or next(
+        (p for p in ("/usr/bin/ganesha.nfsd", "/usr/sbin/ganesha.nfsd") if os.access(p, os.X_OK)),
+        None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+CONFIG = """
+NFS_CORE_PARAM {{ Protocols = 4; Bind_addr = 127.0.0.1; NFS_Port = {port};
+                 Enable_NLM = false; Enable_RQUOTA = false; }}
+NFSV4 {{ Graceless = true; RecoveryBackend = fs; RecoveryRoot = "{recovery}"; }}
+NFS_KRB5 {{ Active_krb5 = false; }}
+EXPORT {{ Export_Id = 1; Path = "{export}"; Pseudo = /{pseudo}; Protocols = 4;
+         Transports = TCP; Access_Type = RW; Squash = No_Root_Squash; FSAL {{ Name = VFS; }}
+         CLIENT {{ Clients = 127.0.0.1; Access_Type = RW; }} }}
+"""
+
+
+@dataclass
+class GaneshaServer:
+    """One ``ganesha.nfsd`` process; ``export_dir`` is the server-side directory it exports."""
+
+    binary: str
+    base_dir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="dcpp-ganesha-",
+                                                                   dir="/var/tmp"))
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def export_dir(self) -> str:
+        return os.path.join(self.base_dir, "export")
+
+    @property
+    def url(self) -> str:
+        """``nfs://`` URL of the export root (NFSv4.1, unprivileged source port)."""
+        return f"nfs://127.0.0.1:{self.port}/{PSEUDO}"
+
+    @staticmethod
+    def query() -> str:
+        return "?version=4.1&noresvport=true"
+
+    def start(self) -> None:
+        self.port = _free_port()
+        recovery = os.path.join(self.base_dir, "recovery")
+        os.makedirs(self.export_dir)
+        os.makedirs(recovery)
+        conf = os.path.join(self.base_dir, "ganesha.conf")
+        with open(conf, "w") as f:
+            f.write(CONFIG.format(port=self.port, recovery=recovery, export=self.export_dir,
+                                  pseudo=PSEUDO))
+        self.log_path = os.path.join(self.base_dir, "ganesha.log")
+        pidfile = os.path.join(self.base_dir, "ganesha.pid")
+        args = [self.binary, "-F", "-L", self.log_path, "-f", conf, "-p", pidfile,
+                "-N", "NIV_EVENT"]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, cwd=self.base_dir)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ganesha.nfsd exited with {self.proc.returncode} at "
+                                   f"startup; log:\n{self.tail()}")
+            if self._answers():
+                return
+            time.sleep(0.05)
+        log = self.tail()
+        self.stop()
+        raise RuntimeError(f"ganesha.nfsd did not answer on 127.0.0.1:{self.port} within "
+                           f"{START_TIMEOUT_S}s; log:\n{log}")
+
+    def _answers(self) -> bool:
+        try:
+            import nfs_rs
+        except ImportError:  # the fixture checks for the client first
+            return False
+        try:
+            with nfs_rs.Client.connect(self.url + self.query(), connect_timeout=2,
+                                       operation_timeout=5) as client:
+                client.exists(".ganesha-probe")
+            return True
+        except (OSError, nfs_rs.NfsError):
+            return False
+
+    def tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return f.read()[-n:].decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM by PID, SIGKILL after 15 s; removes the temporary tree."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.proc = None
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.base_dir)
