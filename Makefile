@@ -5,7 +5,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
 
-.PHONY: demo test lint typecheck unit bench clean
+TITAN_VENV  := .venv-titan
+TITAN_STAMP := $(TITAN_VENV)/.installed
+
+.PHONY: demo test test-torchtitan nfs-server lint typecheck bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +28,22 @@ typecheck: $(STAMP)
 test: lint typecheck
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
+# TorchTitan needs its own venv: its `datasets` dependency pins an older fsspec than s3fs.
+$(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
+	$(PYTHON) -m venv $(TITAN_VENV)
+	$(TITAN_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TITAN_VENV)/bin/python -m pip install -q -c constraints-torchtitan.txt -e '.[test,torchtitan]'
+	touch $(TITAN_STAMP)
+
+test-torchtitan: $(TITAN_STAMP)
+	$(TITAN_VENV)/bin/python -m pytest tests/integration tests/dist/test_torchtitan.py $(PYTEST_ARGS)
+
+# The NFS tests run a real user-space NFS server (needs root to install; they skip without it).
+nfs-server:
+	@command -v ganesha.nfsd >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-ganesha nfs-ganesha-vfs; }
+
 bench: $(STAMP)
 	$(PY) -m benchmarks.save_load $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TITAN_VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache
