@@ -22,9 +22,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_plus.format.codecs import get_codec
-from dcp_plus.format.record import RECORD_NAME, Extent
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import verify_checksum
 
@@ -40,9 +40,9 @@ def describe(index: MetadataIndex) -> str:
 class ExtentReader(StorageReader):
     """Base of the dcp_plus readers; subclasses locate and read the bytes.
 
-    Subclasses set ``self.path`` (directory or URL) and implement :meth:`read_metadata`,
-    :meth:`_check_bounds` and :meth:`_fill`. When ``read_metadata`` falls back to a stock DCP
-    reader (pickled record, ``allow_pickle=True``) it stores it in ``self._stock``.
+    Subclasses set ``self.path`` (directory or URL) and implement :meth:`_record_bytes`,
+    :meth:`_stock_reader`, :meth:`_check_bounds` and :meth:`_fill`. A pickled (stock DCP)
+    record is refused unless ``allow_pickle=True``; then the stock reader does the load.
     """
 
     path: str
@@ -62,6 +62,14 @@ class ExtentReader(StorageReader):
         """How messages name data file ``name``."""
         return f"{self.path}/{name}"
 
+    def _record_bytes(self) -> bytes:
+        """The commit record's bytes; CheckpointNotFoundError when there is none."""
+        raise NotImplementedError
+
+    def _stock_reader(self) -> StorageReader:
+        """DCP's own reader for this location (used only with ``allow_pickle=True``)."""
+        raise NotImplementedError
+
     def _check_bounds(self) -> None:
         """Raise CheckpointFormatError if an extent's file is missing or too short."""
         raise NotImplementedError
@@ -75,6 +83,21 @@ class ExtentReader(StorageReader):
         raise NotImplementedError
 
     # -- StorageReader ----------------------------------------------------------------------
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        data = self._record_bytes()
+        where = self._location(RECORD_NAME)
+        if data[:1] == b"{":
+            return decode_record(data, where)
+        if data[:1] != bytes([PICKLE_PROTOCOL_BYTE]):
+            raise CheckpointFormatError(f"{where}: neither a dcp_plus record nor a DCP pickle")
+        if not self.allow_pickle:
+            raise UnsafeCheckpointError(
+                f"{self.path} was written by stock DCP: its {RECORD_NAME} is a pickle, and "
+                f"unpickling can run arbitrary code. Pass {type(self).__name__}(..., "
+                "allow_pickle=True) only if you trust this checkpoint")
+        self._stock = self._stock_reader()
+        return self._stock.read_metadata(*args, **kwargs)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_plus.errors import (
-    CheckpointFormatError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    UnsafeCheckpointError,
 )
-from dcp_plus.format.record import RECORD_NAME, decode_record
-from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader, describe
+from dcp_plus.format.record import RECORD_NAME
+from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.readers.extents import check_bounds, read_coalesced
 
 __all__ = ["LocalReader", "describe", "read_record"]
@@ -62,22 +59,11 @@ class LocalReader(ExtentReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return "://" not in str(checkpoint_id)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        data = read_record(self.path)
-        if data[:1] == b"{":
-            return decode_record(data, os.path.join(self.path, RECORD_NAME))
-        if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
-            if not self.allow_pickle:
-                raise UnsafeCheckpointError(
-                    f"{self.path} was written by stock DCP (FileSystemWriter): its {RECORD_NAME} "
-                    "is a pickle, and unpickling can run arbitrary code. Pass "
-                    "LocalReader(path, allow_pickle=True) only if you trust this checkpoint"
-                )
-            self._stock = FileSystemReader(self.path)
-            return self._stock.read_metadata(*args, **kwargs)
-        raise CheckpointFormatError(
-            f"{os.path.join(self.path, RECORD_NAME)}: neither a dcp_plus record nor a DCP pickle"
-        )
+    def _record_bytes(self) -> bytes:
+        return read_record(self.path)
+
+    def _stock_reader(self) -> StorageReader:
+        return FileSystemReader(self.path)
 
     def _check_bounds(self) -> None:
         check_bounds(self.path, ((describe(i), e) for i, e in self._extents.items()))

@@ -9,18 +9,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_plus.errors import (
     CheckpointFormatError,
-    CheckpointNotFoundError,
-    UnsafeCheckpointError,
 )
 from dcp_plus.format.nfsio import join_target, open_nfs_store
 from dcp_plus.format.objectio import ObjectStore, StoreConfig
 from dcp_plus.format.record import RECORD_NAME, decode_record
 from dcp_plus.format.retry import RetryPolicy
-from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE
 from dcp_plus.readers.object_store import ObjectStoreReader
 
 log = logging.getLogger(__name__)
@@ -69,28 +66,12 @@ class NFSReader(ObjectStoreReader):
         s = str(checkpoint_id)
         return s.startswith("nfs://") or "://" not in s
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        data = self._store.get(RECORD_NAME)
-        where = self._location(RECORD_NAME)
-        if data is None:
-            raise CheckpointNotFoundError(
-                f"{self.path}: no commit record {RECORD_NAME}, so no committed checkpoint is "
-                "there (an interrupted save leaves none)")
-        if data[:1] == b"{":
-            return decode_record(data, where)
-        if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
-            if not self.allow_pickle:
-                raise UnsafeCheckpointError(
-                    f"{self.path} was written by stock DCP: its {RECORD_NAME} is a pickle, and "
-                    "unpickling can run arbitrary code. Pass NFSReader(path, allow_pickle=True) "
-                    "only if you trust this checkpoint")
-            if self.path.startswith("nfs://"):
-                raise CheckpointFormatError(
-                    f"{self.path} was written by stock DCP; NFSReader reads those only from a "
-                    "mounted path, not over nfs://")
-            self._stock = FileSystemReader(self.path)
-            return self._stock.read_metadata(*args, **kwargs)
-        raise CheckpointFormatError(f"{where}: neither a dcp_plus record nor a DCP pickle")
+    def _stock_reader(self) -> StorageReader:
+        if self.path.startswith("nfs://"):
+            raise CheckpointFormatError(
+                f"{self.path} was written by stock DCP; NFSReader reads those only from a "
+                "mounted path, not over nfs://")
+        return FileSystemReader(self.path)
 
 
 @dataclass(frozen=True)

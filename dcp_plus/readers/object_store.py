@@ -5,18 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_plus.errors import (
-    CheckpointFormatError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    UnsafeCheckpointError,
 )
 from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
-from dcp_plus.format.record import RECORD_NAME, decode_record
+from dcp_plus.format.record import RECORD_NAME
 from dcp_plus.format.retry import RetryPolicy
-from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader, describe
+from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.readers.extents import check_extent_bounds
 
 
@@ -84,27 +82,18 @@ class ObjectStoreReader(ExtentReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return "://" in str(checkpoint_id)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def _record_bytes(self) -> bytes:
         data = self._store.get(RECORD_NAME)
-        where = self._location(RECORD_NAME)
         if data is None:
             raise CheckpointNotFoundError(
                 f"{self.path}: no commit record {RECORD_NAME}, so no committed checkpoint is "
                 "there (an interrupted save leaves none)")
-        if data[:1] == b"{":
-            return decode_record(data, where)
-        if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
-            if not self.allow_pickle:
-                raise UnsafeCheckpointError(
-                    f"{self.path} was written by stock DCP (FsspecWriter): its {RECORD_NAME} is "
-                    "a pickle, and unpickling can run arbitrary code. Pass "
-                    "ObjectStoreReader(url, allow_pickle=True) only if you trust this checkpoint")
-            from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+        return data
 
-            self._stock = FsspecReader(self.path, **self.storage_options)
-            return self._stock.read_metadata(*args, **kwargs)
-        raise CheckpointFormatError(f"{where}: neither a dcp_plus record nor a DCP pickle")
+    def _stock_reader(self) -> StorageReader:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+        return FsspecReader(self.path, **self.storage_options)
     def _check_bounds(self) -> None:
         sizes = self._store.sizes(sorted({e.file for e in self._extents.values()}))
         check_extent_bounds(((describe(i), e) for i, e in self._extents.items()),

@@ -272,6 +272,6 @@ def test_stock_dcp_checkpoint_needs_allow_pickle(tmp_path: Path) -> None:
 
     sd = {"w": torch.arange(10.0)}
     dcp.save(sd, storage_writer=FileSystemWriter(tmp_path), no_dist=True)
-    with pytest.raises(BaseException, match=r"NFSReader\(path, allow_pickle=True\)"):
+    with pytest.raises(BaseException, match=r"NFSReader\(\.\.\., allow_pickle=True\)"):
         load(sd, tmp_path)
     assert_bit_exact(load(sd, tmp_path, allow_pickle=True), sd)
