@@ -49,3 +49,7 @@ class ClosedError(DcpPlusError, RuntimeError):
 
 class PlanCacheError(DcpPlusError, RuntimeError):
     """Ranks disagree about what the plan cache holds (caches are dropped; save again)."""
+
+
+class CheckpointSaveError(DcpPlusError, RuntimeError):
+    """A managed checkpoint could not be staged, written or committed (older ones are intact)."""
