@@ -86,5 +86,21 @@ def save_error(step: int, path: str, exc: BaseException, what: str) -> Checkpoin
     if hints:
         msg += f" ({'; '.join(hints)})"
     err = CheckpointSaveError(msg)
-    err.__cause__ = exc
+    err.__cause__ = _detached(exc)
     return err
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """Drop the tracebacks of ``exc`` and of what it wraps: their frames hold the staged
+    state dict, and a handle kept by the caller would keep the stager's buffer forever."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        todo.extend(inner for _, inner in _causes(e) if inner is not e)
+    return exc

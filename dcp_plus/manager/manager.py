@@ -411,33 +411,45 @@ class CheckpointManager:
             self._update_t0 = None
 
     def _complete(self, handle: SaveHandle, upload: Future[Any]) -> None:
-        """Manager thread: wait for the commit, then advance ``latest`` and run retention."""
-        step, path = handle.step, handle.path
+        """Manager thread: wait for the commit, then advance ``latest`` and run retention.
+
+        ``handle.done`` is resolved on every path, and only once the persist has ended.
+        """
+        step = handle.step
         try:
             wait_futures([handle.staged])
             self._phase("persist", step)
-            upload.result()
-        except BaseException as e:
-            err = save_error(step, path, e, "persisting")
-            log.error("%s", err)
-            if self.is_coordinator and not self.backend.is_committed(path):
-                try:
-                    self.backend.remove_tree(path)
-                except OSError as rm:
-                    log.warning("could not remove the failed checkpoint %s: %s", path, rm)
-            stats = handle.stats(False, self.clock())
+            wait_futures([upload])
+            failure = upload.exception()
+            if failure is not None:
+                self._failed(handle, failure)
+                return
+            done_at = self.clock()
+            self._phase("commit", step)
+            if self.is_coordinator:
+                self._write_pointer(step)
+                self._retain()
+            stats = handle.stats(True, done_at)
             self._record(stats)
-            handle.done.set_exception(err)
-            return
-        done_at = self.clock()
-        self._phase("commit", step)
-        if self.is_coordinator:
-            self._write_pointer(step)
-            self._retain()
-        stats = handle.stats(True, done_at)
-        self._record(stats)
-        self._phase("done", step)
-        handle.done.set_result(stats)
+            self._phase("done", step)
+            handle.done.set_result(stats)
+        except BaseException as e:  # a hook or the bookkeeping failed: still resolve done
+            wait_futures([upload])
+            if not handle.done.done():
+                self._failed(handle, e)
+
+    def _failed(self, handle: SaveHandle, failure: BaseException) -> None:
+        err = save_error(handle.step, handle.path, failure, "persisting")
+        log.error("%s", err)
+        if self.is_coordinator and not self.backend.is_committed(handle.path):
+            try:
+                self.backend.remove_tree(handle.path)
+            except FileNotFoundError:
+                pass
+            except OSError as rm:
+                log.warning("could not remove the failed checkpoint %s: %s", handle.path, rm)
+        self._record(handle.stats(False, self.clock()))
+        handle.done.set_exception(err)
 
     def _record(self, stats: SaveStats) -> None:
         with self._lock:
