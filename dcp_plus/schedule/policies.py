@@ -168,12 +168,13 @@ class AdaptiveInterval(_Profiled):
 
     def should_save(self, step: int) -> bool:
         self._step = step
-        if self._outstanding:
-            return False
         if self.k is None:  # profiling: warm up, then checkpoint back to back
-            if len(self.ti) >= self.warmup and self._saves < self.profile_saves:
+            if (len(self.ti) >= self.warmup and self._saves < self.profile_saves
+                    and not self._outstanding):
                 return self._take(step)
             return False
+        # once tuned, a save that falls due while the previous persist still runs is not
+        # deferred: it waits (exposed cost), which is how slower storage shows up as overhead
         if self._last_save is None or step - self._last_save >= self.k:
             return self._take(step)
         return False
