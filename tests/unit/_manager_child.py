@@ -114,8 +114,11 @@ class Killer:
             time.sleep(delay)
             pids = self._worker_pids()
             if pids:
-                os.kill(pids[k["delay_ms"] % len(pids)], signal.SIGKILL)
-                k["killed"] = True
+                try:
+                    os.kill(pids[k["delay_ms"] % len(pids)], signal.SIGKILL)
+                    k["killed"] = True
+                except ProcessLookupError:  # already dead and reaped (an earlier kill)
+                    pass
 
 
 def main(root: str, spec_path: str, out: str) -> int:
