@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "CachedSavePlanner": "dcp_plus.planners",
+    "CheckpointManager": "dcp_plus.manager",
+    "CheckpointSaveError": "dcp_plus.errors",
     "ArenaStager": "dcp_plus.stagers",
     "LocalWriter": "dcp_plus.writers",
     "LocalReader": "dcp_plus.readers",
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
         CheckpointExistsError,
         CheckpointFormatError,
         CheckpointNotFoundError,
+        CheckpointSaveError,
         CorruptCheckpointError,
         DcpPlusError,
         StorageError,
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
         WorkerError,
     )
     from dcp_plus.format import ZstdCodec
+    from dcp_plus.manager import CheckpointManager
     from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
     from dcp_plus.readers import LocalReader, NFSReader, ObjectStoreReader
     from dcp_plus.stagers import ArenaStager

@@ -121,13 +121,13 @@ def main(fd: int) -> None:
                 return
         try:
             job = conn.recv()
-        except EOFError:
+        except (EOFError, ConnectionResetError):  # the trainer died (e.g. SIGKILL)
             return
         if job is None:
             return
         try:
             conn.send(("ok", run_job(job, maps, parent)))
-        except ParentGone:
+        except (ParentGone, BrokenPipeError, ConnectionResetError):
             return
         except BaseException as e:  # reported to the parent, which raises it
             conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

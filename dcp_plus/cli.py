@@ -60,7 +60,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from dcp_plus.demo import run
 
-    return 0 if run(args.path, steps=args.steps, every=args.every) else 1
+    return 0 if run(args.path, steps=args.steps, seed=args.seed) else 1
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -77,10 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(dest="command", required=True)
 
-    d = sub.add_parser("demo", help="train a small model on CPU, checkpoint, reload, check")
+    d = sub.add_parser("demo", help="train on CPU with CheckpointManager, crash, resume, check")
     d.add_argument("path", nargs="?", default="./checkpoints", help="checkpoint root")
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--every", type=int, default=5, help="checkpoint interval in steps")
+    d.add_argument("--steps", type=int, default=150)
+    d.add_argument("--seed", type=int, default=None, help="seed of the random kill step")
     d.set_defaults(func=cmd_demo)
 
     i = sub.add_parser("inspect", help="list the tensors of a checkpoint")

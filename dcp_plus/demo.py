@@ -1,33 +1,34 @@
-"""``dcp-plus demo``: train a small transformer on CPU, checkpoint asynchronously, reload, and
-prove the reloaded state bit-exact."""
+"""``dcp-plus demo``: the main job. Train a small transformer on CPU with a
+:class:`~dcp_plus.manager.CheckpointManager`, SIGKILL the trainer during a persist at a random
+step, restart, resume from the newest committed checkpoint, prove the resumed run bit-exact
+against an uninterrupted reference run, and compare the cost with stock ``dcp.async_save``."""
 
 from __future__ import annotations
 
-import copy
 import os
+import random
 import shutil
+import signal
+import subprocess
+import sys
 import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from tqdm import tqdm
 
-from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
-from dcp_plus.readers import LocalReader
-from dcp_plus.stagers import ArenaStager
-from dcp_plus.writers import LocalWriter
+MARKER = ".dcp-plus-demo"
 
 
 class TinyLM(nn.Module):
-    """A two-layer transformer language model, small enough for a CPU demo."""
+    """A small transformer language model for CPU demos and tests."""
 
     def __init__(self, vocab: int = 512, dim: int = 128, layers: int = 2, heads: int = 4):
         super().__init__()
@@ -40,33 +41,22 @@ class TinyLM(nn.Module):
         return self.head(self.blocks(self.embed(tokens)))
 
 
-@dataclass
-class SaveTiming:
-    step: int
-    path: str
-    blocking_ms: float
-    staged_s: float
-    persisted_s: float
-
-
-def build(seed: int = 0) -> tuple[TinyLM, torch.optim.Optimizer]:
+def build(seed: int = 0, **dims: int) -> tuple[TinyLM, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = TinyLM()
+    model = TinyLM(**dims)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int,
-               snapshot: Future[Any] | None = None) -> float:
-    """One optimizer step; waits for ``snapshot`` (a staging future) before the update."""
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, *, vocab: int = 512,
+               batch: int = 8, seq: int = 64) -> float:
+    """One optimizer step on batch ``step`` (a pure function of the step: resumable)."""
     g = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(0, 512, (8, 64), generator=g)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=g)
     logits = model(tokens[:, :-1])
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)),
                                        tokens[:, 1:].reshape(-1))
     opt.zero_grad()
     loss.backward()
-    if snapshot is not None:  # the consistency rule: the snapshot finishes before weights change
-        snapshot.result()
     opt.step()
     return loss.item()
 
@@ -76,10 +66,16 @@ def state_of(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[st
     return {"model": msd, "optim": osd, "step": step}
 
 
+def restore(model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def same(a: Any, b: Any) -> bool:
+    """Bit-exact equality of nested state (tensors: dtype, shape and bytes)."""
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and bool(torch.equal(a, b)))
+                and bool(torch.equal(a.reshape(-1).view(torch.uint8),
+                                     b.reshape(-1).view(torch.uint8))))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list | tuple):
@@ -87,77 +83,229 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def run(root: str = "./checkpoints", steps: int = 20, every: int = 5,
-        log: Callable[[str], None] = print) -> bool:
-    """Train, checkpoint every ``every`` steps, reload the last one; True when bit-exact."""
-    if "://" in root:
-        raise ValueError(f"{root}: object-store URLs are not supported by the demo yet; "
-                         "pass a local directory")
-    os.makedirs(root, exist_ok=True)
-    # single-process demo: DCP warns that it runs without a process group, which is intended
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+def snapshot(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [snapshot(v) for v in value]
+    return value
+
+
+@dataclass
+class RunStats:
+    """One training run's checkpoint costs (seconds)."""
+
+    name: str
+    steps: int = 0
+    wall_s: float = 0.0
+    blocking_s: list[float] = field(default_factory=list)
+    persist_s: list[float] = field(default_factory=list)
+
+    @property
+    def overhead(self) -> float:
+        exposed = sum(self.blocking_s)
+        return exposed / max(self.wall_s - exposed, 1e-9)
+
+
+def _progress(total: int, desc: str, initial: int = 0) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", leave=False,
+                file=sys.stderr, disable=not sys.stderr.isatty() or None)
+
+
+def train_managed(root: str, until: int, *, kill_at: int | None = None,
+                  name: str = "CheckpointManager + AdaptiveInterval(p=0.05)",
+                  log: Callable[[str], None] = print) -> tuple[RunStats, int | None, Any]:
+    """Train to ``until`` under a manager, resuming from ``root`` if it holds a checkpoint.
+
+    With ``kill_at``, the first checkpoint at or after that step SIGKILLs this process while
+    its data files are being written. Returns the stats, the resumed step and the manager's
+    policy.
+    """
+    from dcp_plus.manager import CheckpointManager
+    from dcp_plus.schedule import AdaptiveInterval
+
+    def die_in_persist(phase: str, step: int) -> None:
+        if kill_at is None or phase != "persist" or step < kill_at:
+            return
+        path = os.path.join(root, f"step_{step:08d}")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+                os.path.isdir(path) and any(n.endswith(".dcpp") for n in os.listdir(path))):
+            time.sleep(0.0005)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    policy = AdaptiveInterval(0.05)
+    manager = CheckpointManager(root, keep_last=3, interval=policy, on_phase=die_in_persist)
+    for path in manager.cleaned:
+        log(f"  found and removed the uncommitted checkpoint {path} (no commit record)")
     model, opt = build()
-    stager = ArenaStager()
-    stager.guard(opt)  # optimizer.step() waits until the snapshot in flight is complete
-    planner = CachedSavePlanner()  # plans once, reuses the plan while the structure holds
-    timings: list[SaveTiming] = []
-    expected: dict[str, Any] = {}
+    # the load target comes from a scratch copy: get_state_dict() of a fresh optimizer
+    # initializes its state with a zero-lr step, which must not touch the model we train
+    scratch_model, scratch_opt = build()
+    state = state_of(scratch_model, scratch_opt, 0)
+    t0 = time.perf_counter()
+    resumed = manager.load_latest(state)
+    start = 0
+    if resumed is not None:
+        restore(model, opt, state)
+        start = int(state["step"])
+        log(f"  resumed from committed step {resumed} in {time.perf_counter() - t0:.2f} s "
+            "(checksums verified)")
+    # (never get_state_dict() a fresh optimizer we train: it would take a zero-lr step)
+    loaded = snapshot(state_of(model, opt, start)) if resumed is not None else None
+    manager.guard(opt)
+    stats = RunStats(name)
+    bar = _progress(until, "training", start)
+    t0 = time.perf_counter()
+    for step in range(start + 1, until + 1):
+        train_step(model, opt, step)
+        manager.maybe_save(step, state_of(model, opt, step))
+        bar.update(1)
+    manager.wait()
+    stats.wall_s = time.perf_counter() - t0
+    bar.close()
+    stats.steps = until - start
+    for s in manager.history:
+        if s.ok:
+            stats.blocking_s.append(s.exposed_s)
+            stats.persist_s.append(s.persist_s)
+    final = snapshot(state_of(model, opt, until))
+    manager.close()
+    return stats, resumed, (policy, loaded, final)
+
+
+def train_reference(until: int, keep: set[int]) -> tuple[RunStats, dict[int, Any]]:
+    """The uninterrupted run without checkpoints; snapshots of the steps in ``keep``."""
+    model, opt = build()
+    stats = RunStats("no checkpointing (reference)", steps=until)
+    snaps: dict[int, Any] = {}
+    bar = _progress(until, "reference")
+    t0 = time.perf_counter()
+    for step in range(1, until + 1):
+        train_step(model, opt, step)
+        if step in keep:
+            snaps[step] = snapshot(state_of(model, opt, step))
+        bar.update(1)
+    stats.wall_s = time.perf_counter() - t0
+    bar.close()
+    return stats, snaps
+
+
+def train_stock(root: str, until: int, every: int) -> RunStats:
+    """The same loop with stock ``dcp.async_save`` + ``FileSystemWriter`` every ``every`` steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = build()
+    stats = RunStats(f"stock dcp.async_save every {every}", steps=until)
     pending: Any = None
-    bar = tqdm(range(1, steps + 1), desc="training", unit="step", leave=False)
-    train_t0 = time.perf_counter()
-    for step in bar:
+    started: dict[int, float] = {}
+    bar = _progress(until, "stock async_save")
+    t0 = time.perf_counter()
+    for step in range(1, until + 1):
         train_step(model, opt, step)
         if step % every == 0:
+            b0 = time.perf_counter()
             if pending is not None:
-                pending.result()  # at most one persist in flight
-            path = os.path.join(root, f"step_{step:06d}")
-            shutil.rmtree(path, ignore_errors=True)
-            state = state_of(model, opt, step)
-            expected = copy.deepcopy(state)
-            t0 = time.perf_counter()
-            resp = dcp.async_save(state, storage_writer=LocalWriter(path), async_stager=stager,
-                                  planner=planner, no_dist=True)
-            blocking = time.perf_counter() - t0
-            upload = resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp
-            t_step = step
+                pending.result()
+            started[step] = time.perf_counter()
+            resp = dcp.async_save(state_of(model, opt, step), no_dist=True,
+                                  storage_writer=dcp.FileSystemWriter(
+                                      os.path.join(root, f"step_{step:08d}")))
+            stats.blocking_s.append(time.perf_counter() - b0)
+            fut: Future[Any] = (resp.upload_completion if isinstance(resp, AsyncSaveResponse)
+                                else resp)
 
-            def done(fut: Any, t0: float = t0, path: str = path, s: int = t_step,
-                     b: float = blocking) -> None:
-                timings.append(SaveTiming(s, path, b * 1e3, 0.0, time.perf_counter() - t0))
-            upload.add_done_callback(done)
-            pending = upload
+            def persisted(_f: Any, s: int = step) -> None:
+                stats.persist_s.append(time.perf_counter() - started[s])
+
+            fut.add_done_callback(persisted)
+            pending = fut
+        bar.update(1)
     if pending is not None:
         pending.result()
-    stager.close()
-    train_s = time.perf_counter() - train_t0
-
-    last = max(timings, key=lambda t: t.step)
-    fresh_model, fresh_opt = build(seed=1)
-    target = state_of(fresh_model, fresh_opt, 0)
-    t0 = time.perf_counter()
-    dcp.load(target, storage_reader=LocalReader(last.path), planner=SafeLoadPlanner(),
-             no_dist=True)
-    load_s = time.perf_counter() - t0
-    set_state_dict(fresh_model, fresh_opt, model_state_dict=target["model"],
-                   optim_state_dict=target["optim"])
-    ok = same(expected, state_of(fresh_model, fresh_opt, int(target["step"])))
-
-    nbytes = sum(t.numel() * t.element_size() for t in _tensors(expected))
-    log(f"trained {steps} steps in {train_s:.2f} s; state {nbytes / 2**20:.1f} MiB; "
-        f"checkpoints in {os.path.abspath(root)}")
-    log(f"{'step':>6} {'blocking ms':>12} {'persist s':>10}  path")
-    for t in sorted(timings, key=lambda t: t.step):
-        log(f"{t.step:>6} {t.blocking_ms:>12.1f} {t.persisted_s:>10.3f}  {t.path}")
-    log(f"reloaded step {last.step} in {load_s:.3f} s (checksums verified): "
-        f"{'bit-exact' if ok else 'MISMATCH'}")
-    return ok
+    stats.wall_s = time.perf_counter() - t0
+    bar.close()
+    return stats
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, dict):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, list | tuple):
-        return [t for v in obj for t in _tensors(v)]
-    return []
+def _prepare(root: str) -> None:
+    if "://" in root:
+        raise ValueError(f"{root}: the demo writes to local directories only for now")
+    if os.path.isdir(root) and os.listdir(root) and not os.path.exists(
+            os.path.join(root, MARKER)):
+        raise ValueError(f"{root} is not empty and was not made by the demo; pass an empty or "
+                         "new directory (the demo deletes what it made there before)")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    Path(root, MARKER).touch()
+
+
+def _table(rows: list[RunStats], log: Callable[[str], None]) -> None:
+    log(f"{'run':<46} {'steps':>5} {'ckpts':>5} {'blocking ms':>11} {'persist s':>9} "
+        f"{'wall s':>7} {'overhead':>8}")
+    for r in rows:
+        n = len(r.blocking_s)
+        blk = f"{1e3 * sum(r.blocking_s) / n:.1f}" if n else "-"
+        per = f"{sum(r.persist_s) / len(r.persist_s):.3f}" if r.persist_s else "-"
+        log(f"{r.name:<46} {r.steps:>5} {n:>5} {blk:>11} {per:>9} {r.wall_s:>7.2f} "
+            f"{100 * r.overhead:>7.2f}%")
+
+
+def run(root: str = "./checkpoints", steps: int = 150, seed: int | None = None,
+        log: Callable[[str], None] = print) -> bool:
+    """The demo; True when the resumed run is bit-exact with the uninterrupted one."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    root = os.path.abspath(root)
+    _prepare(root)
+    rng = random.Random(seed)
+    kill_at = rng.randrange(steps // 3, 2 * steps // 3)
+    log(f"1. training {steps} steps of TinyLM (CPU) with CheckpointManager in {root}; the "
+        f"trainer will SIGKILL itself during the first persist at or after step {kill_at}")
+    child = subprocess.run(
+        [sys.executable, "-m", "dcp_plus.demo", "--train", root, str(steps), str(kill_at)],
+        stdin=subprocess.DEVNULL, check=False)
+    if child.returncode == -signal.SIGKILL:
+        log(f"   trainer pid killed by SIGKILL (exit {child.returncode})")
+    else:
+        log(f"   trainer exited with {child.returncode} (no kill happened)")
+
+    log("2. restarting: the manager cleans what the crash left and resumes")
+    managed, resumed, (policy, loaded, final) = train_managed(root, steps, log=log)
+    start = resumed or 0
+
+    log("3. uninterrupted reference run, and the same loop with stock dcp.async_save")
+    ref, snaps = train_reference(steps, {start, steps} - {0})
+    # stock saves as many checkpoints per step as the manager committed
+    k = max(1, round(managed.steps / max(1, len(managed.blocking_s))))
+    stock_root = os.path.join(root, "stock-async_save")
+    stock = train_stock(stock_root, steps, k)
+    shutil.rmtree(stock_root, ignore_errors=True)
+
+    ok_loaded = start == 0 or same(loaded, snaps[start])
+    ok_final = same(final, snaps[steps])
+    managed.name = f"CheckpointManager (resumed, steps {start + 1}-{steps})"
+    log("")
+    _table([ref, managed, stock], log)
+    for d in policy.decisions:
+        log(f"   AdaptiveInterval: {d.describe()}")
+    log(f"resumed state at step {start}: {'bit-exact' if ok_loaded else 'MISMATCH'} with the "
+        f"reference; final state at step {steps}: {'bit-exact' if ok_final else 'MISMATCH'}")
+    log(f"checkpoints kept in {root}: "
+        f"{sorted(n for n in os.listdir(root) if n.startswith('step_'))}")
+    return ok_loaded and ok_final
+
+
+def _child(root: str, until: str, kill_at: str) -> int:
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    train_managed(root, int(until), kill_at=int(kill_at), log=lambda s: None)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--train":
+        sys.exit(_child(*sys.argv[2:5]))
+    sys.exit(0 if run(sys.argv[1] if len(sys.argv) > 1 else "./checkpoints") else 1)

@@ -53,3 +53,7 @@ class PlanCacheError(DcpPlusError, RuntimeError):
 
 class StorageError(DcpPlusError, OSError):
     """A storage operation (object store request, remote file I/O) failed for good."""
+
+
+class CheckpointSaveError(DcpPlusError, RuntimeError):
+    """A managed checkpoint could not be staged, written or committed (older ones are intact)."""

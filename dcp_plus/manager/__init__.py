@@ -1,1 +1,7 @@
-"""dcp_plus.manager"""
+"""``CheckpointManager``: periodic async checkpoints, commit, ``latest``, retention, resume."""
+
+from dcp_plus.manager.handle import SaveHandle
+from dcp_plus.manager.manager import CheckpointInfo, CheckpointManager
+from dcp_plus.manager.storage import register_scheme
+
+__all__ = ["CheckpointInfo", "CheckpointManager", "SaveHandle", "register_scheme"]

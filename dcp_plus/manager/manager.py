@@ -1,0 +1,469 @@
+"""``CheckpointManager``: naming, async save, commit, ``latest``, retention, resume, interval.
+
+See ``docs/manager.md`` for the life cycle of one checkpoint and the crash guarantees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+from dcp_plus.errors import ClosedError, DcpPlusError
+from dcp_plus.manager.handle import SaveHandle, save_error
+from dcp_plus.manager.naming import (
+    POINTER_NAME,
+    decode_pointer,
+    encode_pointer,
+    parse_step,
+    step_dirname,
+)
+from dcp_plus.manager.retention import to_remove
+from dcp_plus.manager.storage import backend_for
+from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
+from dcp_plus.schedule import AdaptiveInterval, EveryN, IntervalPolicy, SaveStats
+from dcp_plus.stagers import ArenaStager
+
+log = logging.getLogger(__name__)
+
+_List = list  # CheckpointManager.list() shadows the builtin in the class body
+PhaseHook = Callable[[str, int], None]
+PHASES = ("stage", "persist", "commit", "retention", "done")
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    """A committed checkpoint under the manager's root."""
+
+    step: int
+    path: str
+
+
+class CheckpointManager:
+    """Periodic asynchronous checkpoints of one training job, and resume.
+
+    Args:
+        root: directory (or ``file://`` URL) holding ``step_XXXXXXXX/`` checkpoints and the
+            ``latest`` pointer. Other schemes plug in with
+            :func:`dcp_plus.manager.storage.register_scheme`.
+        writer_options: keyword arguments of the writer (``LocalWriter``: ``workers``,
+            ``threads``, ``fsync``).
+        reader_options: keyword arguments of the reader (``LocalReader``: ``threads``).
+        storage_options: passed untouched to the backend (object stores: credentials).
+        keep_last: committed checkpoints kept by retention (``None``: keep all). The newest
+            committed checkpoint is never deleted.
+        keep_every: also keep every step that is a multiple of this.
+        interval: the policy ``maybe_save`` asks: an ``IntervalPolicy``, an int (``EveryN``),
+            or ``None`` for ``AdaptiveInterval(p=0.05)``.
+        process_group: ranks that checkpoint together (default: the whole world when
+            ``torch.distributed`` is initialized). The manager makes its own gloo groups of
+            these ranks, so background saves never collide with training collectives.
+        stager: an ``ArenaStager`` to use (default: one owned and closed by the manager).
+        verify_on_load: re-checksum a candidate before ``load_latest`` picks it.
+        on_phase: ``hook(phase, step)`` called at each phase of a save (``stage`` on the
+            calling thread; ``persist``, ``commit``, ``retention``, ``done`` on the manager's
+            thread); for observability and fault-injection tests.
+        clock: time source for the measurements (seconds).
+
+    A ``save`` issued while the previous persist is still in flight first waits for it to
+    finish (at most one persist is in flight; the wait counts as exposed checkpoint cost), or
+    returns ``None`` at once with ``if_busy="skip"``.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, writer_options: Mapping[str, Any] | None = None,
+                 reader_options: Mapping[str, Any] | None = None,
+                 storage_options: Mapping[str, Any] | None = None, keep_last: int | None = 3,
+                 keep_every: int | None = None, interval: IntervalPolicy | int | None = None,
+                 process_group: Any = None, stager: ArenaStager | None = None,
+                 verify_on_load: bool = True, on_phase: PhaseHook | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.backend, self.root = backend_for(root, storage_options)
+        self.writer_options = dict(writer_options or {})
+        self.reader_options = dict(reader_options or {})
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.policy: IntervalPolicy = (AdaptiveInterval(0.05) if interval is None else
+                                       EveryN(interval) if isinstance(interval, int) else interval)
+        self.verify_on_load = verify_on_load
+        self.on_phase = on_phase
+        self.clock = clock
+        self._dist = dist.is_available() and dist.is_initialized()
+        self._group: Any = None
+        self._ctl: Any = None
+        self.rank, self.world_size = 0, 1
+        if not self._dist:
+            # one process, no process group, on purpose: DCP warns on every call otherwise
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                    category=UserWarning)
+        if self._dist:
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            # saves run in a background thread: they get a group of their own, and decisions
+            # and resume agreement get another (gloo aborts on interleaved collectives)
+            self._group = dist.new_group(ranks=ranks, backend="gloo")
+            self._ctl = dist.new_group(ranks=ranks, backend="gloo")
+            self.rank = dist.get_rank(self._group)
+            self.world_size = dist.get_world_size(self._group)
+            self._src = dist.get_global_rank(self._ctl, 0)
+        self.is_coordinator = self.rank == 0
+        self._owns_stager = stager is None
+        self._stager = stager or ArenaStager()
+        self._planner = CachedSavePlanner()
+        self._post = ThreadPoolExecutor(1, thread_name_prefix="dcpp-manager")
+        self._lock = threading.Lock()
+        self._inflight: SaveHandle | None = None
+        self._staging: SaveHandle | None = None
+        self._completed: deque[SaveStats] = deque()
+        self._guards: _List[Any] = []
+        self._guarded = False
+        self._last_tick: float | None = None
+        self._iter_checkpoint_s = 0.0
+        self._iter_update_s: float | None = None
+        self._update_t0: float | None = None
+        self._closed = False
+        self.history: _List[SaveStats] = []
+        self.cleaned: _List[str] = []
+        if self.is_coordinator:
+            self.backend.makedirs(self.root)
+            self.cleaned = self._clean_uncommitted()
+            self._repair_pointer()
+        if self._dist:
+            dist.barrier(group=self._ctl)
+
+    # -- saving ---------------------------------------------------------------------------
+
+    def guard(self, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> None:
+        """Make ``optimizer.step()`` wait for the snapshot in flight (the consistency rule),
+        and measure the weight-update time and the exposed staging time for the policy.
+
+        Without a guard, ``save()`` waits for its snapshot before returning.
+        """
+        opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+        for opt in opts:
+            self._guards.append(opt.register_step_pre_hook(self._pre_step))
+            self._guards.append(opt.register_step_post_hook(self._post_step))
+        self._guarded = True
+
+    def save(self, step: int, state: dict[str, Any], *,
+             if_busy: str = "wait") -> SaveHandle | None:
+        """Snapshot ``state`` and persist it in the background as checkpoint ``step``.
+
+        Returns a :class:`SaveHandle`; storage errors never raise here, they fail
+        ``handle.done`` with ``CheckpointSaveError``. With ``if_busy="skip"`` returns ``None``
+        instead of waiting when the previous persist is still in flight.
+        """
+        self._check_open("save")
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        t0 = self.clock()
+        prev = self._inflight
+        if prev is not None and not prev.done.done():
+            if if_busy == "skip":
+                return None
+            wait_futures([prev.done])
+        t_start = self.clock()
+        path = self.backend.join(self.root, step_dirname(step))
+        handle = SaveHandle(step, path, started_at=t_start, waited_s=t_start - t0)
+        self._phase("stage", step)
+        try:
+            writer = self.backend.writer(path, self.writer_options)
+            resp = dcp.async_save(state, storage_writer=writer, planner=self._planner,
+                                  async_stager=self._stager, process_group=self._group,
+                                  no_dist=not self._dist)
+        except Exception as e:  # staging refused the state, storage unusable, ...
+            err = save_error(step, path, e, "staging")
+            log.error("%s", err)
+            handle.blocking_s = self.clock() - t0
+            handle.staged.set_exception(err)
+            handle.done.set_exception(err)
+            self._completed.append(handle.stats(False, self.clock()))
+            return handle
+        if isinstance(resp, AsyncSaveResponse):
+            staged, upload = resp.staging_completion, resp.upload_completion
+        else:  # a stager that stages synchronously
+            staged, upload = Future(), resp
+            staged.set_result(None)
+        staged.add_done_callback(lambda f: self._on_staged(handle, f))
+        self._inflight = self._staging = handle
+        if not self._guarded:
+            wait_futures([staged])
+        handle.blocking_s = self.clock() - t0
+        self._iter_checkpoint_s += handle.blocking_s
+        self._post.submit(self._complete, handle, upload)
+        return handle
+
+    def maybe_save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
+        """Call once per iteration: feeds the policy its measurements, saves when it says so."""
+        self._check_open("maybe_save")
+        now = self.clock()
+        if self._last_tick is not None:
+            self.policy.observe_iteration(now - self._last_tick, self._iter_checkpoint_s,
+                                          self._iter_update_s)
+        self._last_tick = now
+        self._iter_checkpoint_s = 0.0
+        self._iter_update_s = None
+        while self._completed:
+            self.policy.observe_save(self._completed.popleft())
+        if not self._decide(step):
+            return None
+        return self.save(step, state)
+
+    def wait(self, timeout: float | None = None) -> SaveHandle | None:
+        """Wait until the save in flight has committed or failed; returns its handle."""
+        h = self._inflight
+        if h is not None:
+            wait_futures([h.done], timeout=timeout)
+        return h
+
+    # -- resuming -------------------------------------------------------------------------
+
+    def list(self) -> _List[CheckpointInfo]:
+        """Committed checkpoints under the root, oldest first."""
+        steps = sorted(s for s, committed in self._scan() if committed)
+        return [CheckpointInfo(s, self._path(s)) for s in steps]
+
+    def latest_step(self) -> int | None:
+        """The step the ``latest`` pointer names (advanced only after a commit)."""
+        data = self.backend.read(self.backend.join(self.root, POINTER_NAME))
+        return None if data is None else decode_pointer(data)
+
+    def load_latest(self, state: dict[str, Any]) -> int | None:
+        """Load, in place, the newest checkpoint that is committed, verified and loadable by
+        every rank; returns its step, or ``None`` when there is none.
+
+        Ranks agree by collectives: the candidates are the union of every rank's committed
+        steps, newest first; a candidate is taken only if every rank verified it, and skipped
+        if loading it fails anywhere (``state`` is then overwritten by the next candidate).
+        """
+        self._check_open("load_latest")
+        self.wait()
+        local = [s for s, committed in self._scan() if committed]
+        candidates = set(local)
+        if self._dist:
+            gathered: _List[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, local, group=self._ctl)
+            candidates = {s for steps in gathered for s in steps}
+        for step in sorted(candidates, reverse=True):
+            path = self._path(step)
+            problems = self._check_loadable(step, path, step in local)
+            if problems:
+                log.warning("rank %d cannot load step %d: %s", self.rank, step,
+                            "; ".join(problems[:3]))
+            if not self._everyone(not problems):
+                log.warning("skipping step %d: not every rank can load it", step)
+                continue
+            try:
+                dcp.load(state, storage_reader=self.backend.reader(path, self.reader_options),
+                         planner=SafeLoadPlanner(), process_group=self._group,
+                         no_dist=not self._dist)
+            except Exception as e:  # DCP raises on every rank when any rank failed
+                log.warning("loading step %d from %s failed, trying an older one: %s",
+                            step, path, e)
+                continue
+            log.info("resumed from step %d (%s)", step, path)
+            return step
+        return None
+
+    # -- life cycle -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the save in flight, then free the stager, threads and writer workers."""
+        if self._closed:
+            return
+        self.wait()
+        self._closed = True
+        for h in self._guards:
+            h.remove()
+        self._guards = []
+        self._post.shutdown(wait=True)
+        if self._owns_stager:
+            self._stager.close()
+        from dcp_plus.writers import shutdown_pool
+
+        shutdown_pool()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise ClosedError(f"CheckpointManager.{what}() called after close() "
+                              f"(root {self.root}); create a new manager")
+
+    def _path(self, step: int) -> str:
+        return self.backend.join(self.root, step_dirname(step))
+
+    def _phase(self, phase: str, step: int) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase, step)
+
+    def _decide(self, step: int) -> bool:
+        """The policy's answer; in a job, rank 0's answer for every rank (a broadcast), unless
+        the policy depends on the step alone."""
+        want = self.policy.should_save(step)
+        if not self._dist or isinstance(self.policy, EveryN):
+            return want
+        flag = torch.tensor([1 if want else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=self._src, group=self._ctl)
+        return bool(flag.item())
+
+    def _everyone(self, ok: bool) -> bool:
+        if not self._dist:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._ctl)
+        return bool(flag.item())
+
+    def _check_loadable(self, step: int, path: str, listed: bool) -> _List[str]:
+        if not listed or not self.backend.is_committed(path):
+            return [f"{path}: not committed here"]
+        return self.backend.verify(path) if self.verify_on_load else []
+
+    def _scan(self) -> _List[tuple[int, bool]]:
+        out = []
+        for name in self.backend.listdir(self.root):
+            step = parse_step(name)
+            if step is not None:
+                out.append((step, self.backend.is_committed(self._path(step))))
+        return out
+
+    def _clean_uncommitted(self) -> _List[str]:
+        """Remove step directories without a commit record (left by a crash)."""
+        removed = []
+        for step, committed in self._scan():
+            if committed:
+                continue
+            path = self._path(step)
+            try:
+                self.backend.remove_tree(path)
+            except OSError as e:
+                log.warning("could not remove uncommitted checkpoint %s: %s", path, e)
+                continue
+            log.warning("removed uncommitted checkpoint %s (a save interrupted by a crash)", path)
+            removed.append(path)
+        for name in self.backend.listdir(self.root):
+            if name.startswith(POINTER_NAME + ".") and name.endswith(".tmp"):
+                try:
+                    os.unlink(self.backend.join(self.root, name))
+                except OSError:
+                    pass
+        return removed
+
+    def _repair_pointer(self) -> None:
+        committed = [s for s, c in self._scan() if c]
+        newest = max(committed, default=None)
+        if newest is not None and self.latest_step() != newest:
+            log.warning("'latest' pointer said %s, newest committed is step %d: fixed",
+                        self.latest_step(), newest)
+            self._write_pointer(newest)
+
+    def _write_pointer(self, step: int) -> None:
+        try:
+            self.backend.write_atomic(self.backend.join(self.root, POINTER_NAME),
+                                      encode_pointer(step))
+        except OSError as e:
+            log.warning("checkpoint step %d is committed but the 'latest' pointer could not be "
+                        "advanced: %s", step, e)
+
+    def _on_staged(self, handle: SaveHandle, f: Future[Any]) -> None:
+        handle.staged_at = self.clock()
+        e = f.exception()
+        if e is None:
+            handle.staged.set_result(None)
+        else:
+            handle.staged.set_exception(save_error(handle.step, handle.path, e, "staging"))
+
+    def _pre_step(self, *_: Any) -> None:
+        t0 = self.clock()
+        try:
+            self._stager.synchronize_staging()
+        except DcpPlusError as e:  # also fails the save's handle; training goes on
+            log.warning("snapshot failed: %s", e)
+        waited = self.clock() - t0
+        self._iter_checkpoint_s += waited
+        if self._staging is not None:
+            self._staging.exposed_staging_s += waited
+            self._staging = None
+        self._update_t0 = self.clock()
+
+    def _post_step(self, *_: Any) -> None:
+        if self._update_t0 is not None:
+            self._iter_update_s = (self._iter_update_s or 0.0) + self.clock() - self._update_t0
+            self._update_t0 = None
+
+    def _complete(self, handle: SaveHandle, upload: Future[Any]) -> None:
+        """Manager thread: wait for the commit, then advance ``latest`` and run retention.
+
+        ``handle.done`` is resolved on every path, and only once the persist has ended.
+        """
+        step = handle.step
+        try:
+            wait_futures([handle.staged])
+            self._phase("persist", step)
+            wait_futures([upload])
+            failure = upload.exception()
+            if failure is not None:
+                self._failed(handle, failure)
+                return
+            done_at = self.clock()
+            self._phase("commit", step)
+            if self.is_coordinator:
+                self._write_pointer(step)
+                self._retain()
+            stats = handle.stats(True, done_at)
+            self._record(stats)
+            self._phase("done", step)
+            handle.done.set_result(stats)
+        except BaseException as e:  # a hook or the bookkeeping failed: still resolve done
+            wait_futures([upload])
+            if not handle.done.done():
+                self._failed(handle, e)
+
+    def _failed(self, handle: SaveHandle, failure: BaseException) -> None:
+        err = save_error(handle.step, handle.path, failure, "persisting")
+        log.error("%s", err)
+        if self.is_coordinator and not self.backend.is_committed(handle.path):
+            try:
+                self.backend.remove_tree(handle.path)
+            except FileNotFoundError:
+                pass
+            except OSError as rm:
+                log.warning("could not remove the failed checkpoint %s: %s", handle.path, rm)
+        self._record(handle.stats(False, self.clock()))
+        handle.done.set_exception(err)
+
+    def _record(self, stats: SaveStats) -> None:
+        with self._lock:
+            self.history.append(stats)
+        self._completed.append(stats)
+
+    def _retain(self) -> None:
+        committed = [s for s, c in self._scan() if c]
+        for step in to_remove(committed, self.keep_last, self.keep_every):
+            path = self._path(step)
+            try:
+                self.backend.uncommit(path)
+                self._phase("retention", step)
+                self.backend.remove_tree(path)
+                log.info("retention removed checkpoint step %d (%s)", step, path)
+            except OSError as e:
+                log.warning("retention could not remove %s: %s", path, e)

@@ -1,0 +1,130 @@
+"""Storage backends of the manager, chosen by the root's URL scheme.
+
+A backend builds the DCP writer and reader for one checkpoint and does the few directory
+operations the manager needs (list, commit check, delete, the ``latest`` pointer). Local paths
+and ``file://`` URLs use :class:`LocalBackend`. An object store is one line once its writer and
+reader exist, e.g. ``register_scheme("s3", lambda opts: FsspecBackend(...))``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from dcp_plus.errors import DcpPlusError
+from dcp_plus.format.fileio import atomic_write, fsync_dir
+from dcp_plus.format.record import RECORD_NAME
+
+
+class Backend(Protocol):
+    """What the manager needs from a storage location."""
+
+    def join(self, root: str, name: str) -> str: ...
+    def writer(self, path: str, options: Mapping[str, Any]) -> StorageWriter: ...
+    def reader(self, path: str, options: Mapping[str, Any]) -> StorageReader: ...
+    def makedirs(self, path: str) -> None: ...
+    def listdir(self, path: str) -> list[str]: ...
+    def is_committed(self, path: str) -> bool: ...
+    def verify(self, path: str) -> list[str]: ...
+    def uncommit(self, path: str) -> None: ...
+    def remove_tree(self, path: str) -> None: ...
+    def read(self, path: str) -> bytes | None: ...
+    def write_atomic(self, path: str, data: bytes) -> None: ...
+
+
+class LocalBackend:
+    """A local or mounted directory: :class:`~dcp_plus.LocalWriter` / ``LocalReader``."""
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        if storage_options:
+            raise ValueError(f"local paths take no storage_options, got {dict(storage_options)}")
+
+    def join(self, root: str, name: str) -> str:
+        return os.path.join(root, name)
+
+    def writer(self, path: str, options: Mapping[str, Any]) -> StorageWriter:
+        from dcp_plus.writers import LocalWriter
+
+        return LocalWriter(path, **{"overwrite": True, **options})
+
+    def reader(self, path: str, options: Mapping[str, Any]) -> StorageReader:
+        from dcp_plus.readers import LocalReader
+
+        return LocalReader(path, **options)
+
+    def makedirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            return os.listdir(path)
+        except FileNotFoundError:
+            return []
+
+    def is_committed(self, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, RECORD_NAME))
+
+    def verify(self, path: str) -> list[str]:
+        from dcp_plus.readers.inspect import verify
+
+        try:
+            return verify(path).problems
+        except (OSError, ValueError, DcpPlusError) as e:  # unreadable / malformed record
+            return [f"{path}: {e}"]
+
+    def uncommit(self, path: str) -> None:
+        """Remove the commit record first: from then on the checkpoint no longer exists."""
+        try:
+            os.unlink(os.path.join(path, RECORD_NAME))
+        except FileNotFoundError:
+            return
+        fsync_dir(path)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=False)
+
+    def read(self, path: str) -> bytes | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        atomic_write(path, data, uuid.uuid4().hex[:12])
+
+
+BackendFactory = Callable[[Mapping[str, Any]], Backend]
+_SCHEMES: dict[str, BackendFactory] = {"": LocalBackend, "file": LocalBackend}
+
+
+def register_scheme(scheme: str, factory: BackendFactory) -> None:
+    """Make roots ``scheme://...`` use the backend ``factory(storage_options)`` builds."""
+    _SCHEMES[scheme] = factory
+
+
+def split_root(root: str | os.PathLike) -> tuple[str, str]:
+    """``(scheme, location)``: ``file:///x`` -> ``("file", "/x")``, ``./x`` -> ``("", "./x")``."""
+    text = os.fspath(root)
+    if "://" not in text:
+        return "", text
+    scheme, rest = text.split("://", 1)
+    if scheme == "file":
+        return scheme, rest
+    return scheme, text
+
+
+def backend_for(root: str | os.PathLike,
+                storage_options: Mapping[str, Any] | None = None) -> tuple[Backend, str]:
+    """The backend for ``root`` and the location string it works with."""
+    scheme, location = split_root(root)
+    if scheme not in _SCHEMES:
+        known = ", ".join(sorted(f"{s}://" for s in _SCHEMES if s)) or "none"
+        raise ValueError(f"{os.fspath(root)}: no checkpoint backend for {scheme}:// (known: "
+                         f"{known}); pass a local directory or register_scheme() one")
+    return _SCHEMES[scheme](storage_options or {}), location
