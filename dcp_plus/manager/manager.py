@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_plus.errors import ClosedError, DcpPlusError
@@ -184,7 +185,7 @@ class CheckpointManager:
             resp = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                   async_stager=self._stager, process_group=self._group,
                                   no_dist=not self._dist)
-        except Exception as e:  # staging refused the state, storage unusable, ...
+        except (Exception, CheckpointException) as e:  # staging refused, storage unusable
             err = save_error(step, path, e, "staging")
             log.error("%s", err)
             handle.blocking_s = self.clock() - t0
@@ -270,7 +271,8 @@ class CheckpointManager:
                 dcp.load(state, storage_reader=self.backend.reader(path, self.reader_options),
                          planner=SafeLoadPlanner(), process_group=self._group,
                          no_dist=not self._dist)
-            except Exception as e:  # DCP raises on every rank when any rank failed
+            except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it
+                # is raised on every rank when any rank failed
                 log.warning("loading step %d from %s failed, trying an older one: %s",
                             step, path, e)
                 continue

@@ -2,8 +2,8 @@
 
 A backend builds the DCP writer and reader for one checkpoint and does the few directory
 operations the manager needs (list, commit check, delete, the ``latest`` pointer). Local paths
-and ``file://`` URLs use :class:`LocalBackend`. An object store is one line once its writer and
-reader exist, e.g. ``register_scheme("s3", lambda opts: FsspecBackend(...))``.
+and ``file://`` URLs use :class:`LocalBackend`; object stores and other fsspec URLs use
+:class:`~dcp_plus.manager.object_backend.ObjectStoreBackend`. ``register_scheme`` adds more.
 """
 
 from __future__ import annotations
@@ -99,8 +99,17 @@ class LocalBackend:
         atomic_write(path, data, uuid.uuid4().hex[:12])
 
 
+def _object_store(storage_options: Mapping[str, Any] | None) -> Backend:
+    from dcp_plus.manager.object_backend import ObjectStoreBackend
+
+    return ObjectStoreBackend(storage_options)
+
+
 BackendFactory = Callable[[Mapping[str, Any]], Backend]
-_SCHEMES: dict[str, BackendFactory] = {"": LocalBackend, "file": LocalBackend}
+_SCHEMES: dict[str, BackendFactory] = {
+    "": LocalBackend, "file": LocalBackend,
+    **{s: _object_store for s in ("s3", "s3a", "gs", "gcs", "az", "abfs", "memory")},
+}
 
 
 def register_scheme(scheme: str, factory: BackendFactory) -> None:

@@ -237,3 +237,23 @@ def test_zstd_shuffle_round_trip_over_multipart(seaweed: SeaweedServer, prefix: 
     md = ObjectStoreReader(url, seaweed.storage_options()).read_metadata()
     assert {e.codec for i, e in md.storage_data.items() if i.fqn == "big"} == {"zstd+shuffle"}
     assert_bit_exact(sd, load(url, seaweed.storage_options(), sd, range_size=2 * MiB))
+
+
+def test_checkpoint_manager_on_s3_commits_retains_and_resumes(seaweed: SeaweedServer,
+                                                              prefix: str) -> None:
+    from dcp_plus.manager import CheckpointManager
+
+    root = f"s3://{BUCKET}/{prefix}/run"
+    states = {}
+    with CheckpointManager(root, storage_options=seaweed.storage_options(), keep_last=2,
+                           interval=1) as m:
+        for step in (1, 2, 3):
+            states[step] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                            for k, v in state().items()}
+            m.save(step, states[step]).result(timeout=120)
+        assert [c.step for c in m.list()] == [2, 3] and m.latest_step() == 3
+    assert not any(k.startswith("run/step_00000001/") for k in keys(seaweed, prefix))
+    out = zeros_like(states[3])
+    with CheckpointManager(root, storage_options=seaweed.storage_options()) as m:
+        assert m.load_latest(out) == 3
+    assert_bit_exact(states[3], out)
