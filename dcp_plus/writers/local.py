@@ -30,7 +30,6 @@ from dcp_plus.writers.pool import shared_pool, shutdown_pool
 log = logging.getLogger(__name__)
 
 _DATA_FILE = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
-_SPLIT_BYTES = 64 << 20
 
 
 class LocalWriter(CommittingWriter):
@@ -98,7 +97,8 @@ class LocalWriter(CommittingWriter):
         items = resolve_items(plan, planner)
         raw_lengths = {id(r): len(r.data) for r in items}
         codec_names = {id(r): self.codecs.encode(r) for r in items}
-        slab_files, local_files = plan_files(items, rank, save_id, self.threads)
+        slab_files, local_files = plan_files(items, rank, save_id, self.threads,
+                                             slab_parts=self.workers)
         for fp in slab_files + local_files:
             fd = os.open(os.path.join(self.path, fp.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                          0o644)
@@ -126,29 +126,12 @@ class LocalWriter(CommittingWriter):
         return fut
 
     def _slab_jobs(self, files: list[FilePlan]) -> tuple[list[WriteJob], list[list[int]]]:
-        """One job per file, large files split into contiguous parts for parallel workers."""
-        jobs, order = [], []
-        for fp in files:
-            parts = max(1, min(self.workers, fp.nbytes // _SPLIT_BYTES))
-            target = fp.nbytes / parts
-            bounds = [0]
-            acc = 0
-            for i, (r, _) in enumerate(fp.placed):
-                acc += len(r.data)
-                if acc >= target * len(bounds) and len(bounds) < parts:
-                    bounds.append(i + 1)
-            bounds.append(len(fp.placed))
-            # absolute: workers keep the cwd they were started with, the caller may not
-            path = os.path.abspath(os.path.join(self.path, fp.name))
-            for a, b in zip(bounds, bounds[1:], strict=False):
-                if a == b:
-                    continue
-                part = fp.placed[a:b]
-                ranges = [(r.slab.slab, r.slab.offset, off, r.slab.length)
-                          for r, off in part if r.slab]
-                jobs.append(WriteJob(path, ranges, self.fsync))
-                order.append([id(r) for r, _ in part])
-        return jobs, order
+        """One worker job per slab-backed file (a file is never shared by two writers)."""
+        jobs = [WriteJob(os.path.abspath(os.path.join(self.path, fp.name)),
+                         [(r.slab.slab, r.slab.offset, off, r.slab.length)
+                          for r, off in fp.placed if r.slab], self.fsync)
+                for fp in files]
+        return jobs, [[id(r) for r, _ in fp.placed] for fp in files]
 
     def _write_local(self, fp: FilePlan) -> dict[int, str]:
         sums = {}
