@@ -27,6 +27,7 @@ typecheck: $(STAMP)
 
 test: lint typecheck
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(MAKE) test-torchtitan
 
 # TorchTitan needs its own venv: its `datasets` dependency pins an older fsspec than s3fs.
 $(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
