@@ -1,0 +1,1 @@
+"""Benchmarks against stock DCP and physical limits (run as ``python -m benchmarks.<name>``)."""
