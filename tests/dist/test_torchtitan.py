@@ -1,7 +1,7 @@
 """A real TorchTitan training loop (llama3 debug model, FSDP over 2 gloo ranks on CPU)
 checkpointing through dcp_plus: kill -9 mid-run, resume from the latest committed
-checkpoint, and the loss curve continues exactly: with TorchTitan's fixed interval, and with the
-adaptive interval (``checkpoint.adaptive_budget``).
+checkpoint, and the loss curve continues exactly: with TorchTitan's fixed interval, with the
+adaptive interval (``checkpoint.adaptive_budget``), and to a real S3 endpoint (SeaweedFS).
 
 CPU shims are listed in ``tests/dist/_titan_rank.py`` and ``docs/torchtitan.md``.
 """
@@ -20,6 +20,7 @@ pytest.importorskip(
     reason="TorchTitan is not installed (pip install 'dcp-plus[torchtitan]', torchtitan==0.3.0)")
 pytest.importorskip("tokenizers", reason="TorchTitan's tokenizer needs `tokenizers`")
 
+from tests.dist._seaweed import BUCKET  # noqa: E402
 from tests.dist._titan_assets import make_dataset, make_tokenizer  # noqa: E402
 from tests.dist._titan_run import log_tail, run_titan  # noqa: E402
 
@@ -220,3 +221,54 @@ def test_adaptive_resume_continues_the_loss_curve_exactly(
     if chosen:
         assert chosen[0] == resumed_from + ADAPTIVE_WARMUP + 1
 
+
+# -- S3 (SeaweedFS) ---------------------------------------------------------------------------
+
+S3_PREFIX = "titan-run"
+
+
+@pytest.fixture(scope="module")
+def s3_jobs(titan: dict[str, Any], seaweed: Any) -> dict[str, Any]:
+    """F: the dcp_plus recipe checkpointing to s3://ckpt/titan-run/checkpoint, killed at
+    step 8; G restarts it unchanged and resumes from S3. The endpoint and credentials reach
+    both dcp_plus's writer/reader and TorchTitan's own folder listing through fsspec's config
+    (``FSSPEC_S3``)."""
+    s3fs = pytest.importorskip("s3fs")
+    root = titan["root"]
+    folder = f"s3://{BUCKET}/{S3_PREFIX}/checkpoint"
+    env = {"FSSPEC_S3": json.dumps(seaweed.storage_options())}
+    flags = ["--checkpoint.folder", folder]
+    out: dict[str, Any] = {"root": root, "folder": folder}
+    out["F"] = _job(root, "F", "dcp_plus_cpu", root / "F", flags,
+                    {**env, "DCPP_TITAN_KILL_AT": str(KILL_AT)})
+    # no listing cache: G's saves must be seen after F's listing
+    fs = s3fs.S3FileSystem(**seaweed.storage_options(skip_instance_cache=True,
+                                                     use_listings_cache=False))
+    out["F_committed"] = sorted(
+        int(p.rstrip("/").rsplit("-", 1)[1]) for p in fs.ls(folder.removeprefix("s3://"))
+        if fs.exists(f"{p}/.metadata"))
+    out["G"] = _job(root, "G", "dcp_plus_cpu", root / "F", flags, env)
+    out["fs"] = fs
+    return out
+
+
+def test_s3_checkpoints_through_torchtitan_resume_bit_exact(
+        titan: dict[str, Any], s3_jobs: dict[str, Any]) -> None:
+    root, folder, fs = s3_jobs["root"], s3_jobs["folder"], s3_jobs["fs"]
+    assert all(code != 0 for code in s3_jobs["F"]), "job F was meant to be killed at step 8"
+    committed = s3_jobs["F_committed"]
+    assert committed and committed[-1] in (3, 6), committed
+    assert not (root / "F" / "checkpoint").exists()  # nothing went to the local dump folder
+    record = json.loads(fs.cat(f"{folder.removeprefix('s3://')}/step-{committed[-1]}/.metadata"))
+    assert record["format"] == "dcp_plus"
+    assert s3_jobs["G"] == [0, 0], log_tail(root, "G")
+    resumed_from = _resumed_from(root, "G", folder)
+    assert resumed_from == committed[-1]
+    a, f, g = (_losses(root / f"{n}.losses.jsonl") for n in "AFG")
+    assert sorted(f) == list(range(1, KILL_AT))
+    assert sorted(g) == list(range(resumed_from + 1, STEPS + 1))
+    for step, loss in {**f, **g}.items():
+        assert loss == a[step], (step, loss, a[step])
+    # G's saves (9, and the model-only last step) are in the bucket, committed
+    assert fs.exists(f"{folder.removeprefix('s3://')}/step-9/.metadata")
+    assert fs.exists(f"{folder.removeprefix('s3://')}/step-{STEPS}/.metadata")
