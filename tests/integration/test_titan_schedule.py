@@ -208,3 +208,22 @@ def test_decisions_and_checkpoints_are_logged(caplog: pytest.LogCaptureFixture) 
     assert "adaptive interval: checkpoint at step 3 (profiling)" in text
     assert "adaptive interval: k=3 from step 9" in text
     assert "adaptive interval: checkpoint at step 9 (k=3)" in text
+
+
+def test_a_synchronous_save_is_all_staging_and_reported_at_the_next_step() -> None:
+    """async_mode="disabled": save() writes everything before returning (no futures)."""
+    policy = Recording(0.05, warmup=1)
+    sched = LoopSchedule(policy, clock=lambda: now)
+    now = 0.0
+    sched.tick(1)
+    now = 0.1
+    sched.tick(2)
+    assert sched.decide(2)
+    now += 0.3  # the whole write, on the loop
+    sched.saved(2, blocking_s=0.3, waited_s=0.0, staged=None, done=None)
+    now += 0.1
+    sched.tick(3)
+    (stats,) = policy.fed
+    assert stats.ok and stats.step == 2
+    assert stats.staging_s == pytest.approx(0.3) and stats.persist_s == 0.0
+    assert stats.own_exposed_s == pytest.approx(0.3)
