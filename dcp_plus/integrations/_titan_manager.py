@@ -13,14 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
 
+from dcp_plus.integrations._titan_schedule import LoopSchedule
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.readers import LocalReader, ObjectStoreReader
+from dcp_plus.schedule import AdaptiveInterval
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.writers import LocalWriter, ObjectStoreWriter, shutdown_pool
 
@@ -123,9 +126,16 @@ class DcpPlusCheckpointManager(CheckpointManager):
         checkpoints."""
 
         adaptive_budget: float | None = None
-        """Reserved: the overhead budget of ``dcp_plus.schedule.AdaptiveInterval``
-        (CheckFreq), to replace ``interval``. Not available in this build: setting it raises
-        at start-up."""
+        """Checkpoint when ``dcp_plus.schedule.AdaptiveInterval(p=adaptive_budget)``
+        (CheckFreq) says so instead of every ``interval`` steps: it measures the iteration,
+        staging and persist times and the exposed checkpoint cost, and picks the interval k
+        that keeps the exposed cost under this fraction of training time (0.05 = 5%).
+        Rank 0 decides and broadcasts; forced saves (the last step,
+        ``enable_first_step_checkpoint``) stay TorchTitan's. ``None``: ``interval``."""
+
+        adaptive_warmup: int = 5
+        """With ``adaptive_budget``: iterations measured before the policy's first
+        (profiling) checkpoint, counted from the start or resume of the job."""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
@@ -141,6 +151,9 @@ class DcpPlusCheckpointManager(CheckpointManager):
             if self.adaptive_budget is not None and not 0 < self.adaptive_budget < 1:
                 raise ValueError("checkpoint.adaptive_budget must be in (0, 1), got "
                                  f"{self.adaptive_budget}")
+            if self.adaptive_warmup < 1:
+                raise ValueError(
+                    f"checkpoint.adaptive_warmup must be >= 1, got {self.adaptive_warmup}")
             if self.writer == "local" and _is_url(self.folder):
                 raise ValueError(f"checkpoint.writer='local' cannot write to the URL "
                                  f"{self.folder!r}; use writer='object_store' or 'auto'")
@@ -160,10 +173,29 @@ class DcpPlusCheckpointManager(CheckpointManager):
                                       num_threads=config.stager_threads)
         self._executor = (AsyncCheckpointerType.PROCESS if config.async_executor == "process"
                           else AsyncCheckpointerType.THREAD)
-        if config.adaptive_budget is not None:
-            raise NotImplementedError(
-                "checkpoint.adaptive_budget needs dcp_plus.schedule.AdaptiveInterval, which "
-                "this dcp_plus build does not include yet; leave it unset and use interval")
+        if _is_url(self.folder) and config.storage_options:
+            log.warning("dcp_plus: checkpoint.storage_options reach dcp_plus's writer and "
+                        "reader only; TorchTitan lists %s itself (resume step, keep_latest_k) "
+                        "through fsspec without them: put the endpoint and credentials in "
+                        "fsspec's config too (e.g. FSSPEC_S3='{...}')", self.folder)
+        self._schedule: LoopSchedule | None = None
+        self._ctl: Any = None
+        self._broadcast = False
+        if config.adaptive_budget is not None and not self.load_only:
+            self._init_adaptive(config.adaptive_budget, config.adaptive_warmup)
+
+    def _init_adaptive(self, budget: float, warmup: int) -> None:
+        """Rank 0 runs the policy; every step it broadcasts its answer on a gloo group of
+        its own (async uploads run collectives on ``self.pg`` from a background thread, and
+        gloo aborts on interleaved collectives)."""
+        self._broadcast = dist.is_available() and dist.is_initialized() \
+            and dist.get_world_size() > 1
+        if self._broadcast:
+            self._ctl = dist.new_group(backend="gloo")
+        if not self._broadcast or dist.get_rank() == 0:
+            self._schedule = LoopSchedule(AdaptiveInterval(budget, warmup=warmup))
+        log.info("dcp_plus: checkpoint steps chosen by AdaptiveInterval(p=%g, warmup=%d) on "
+                 "rank 0 (checkpoint.interval=%d is not used)", budget, warmup, self.interval)
 
     # -- factories ----------------------------------------------------------------------
 
@@ -214,11 +246,33 @@ class DcpPlusCheckpointManager(CheckpointManager):
                               process_group=self.pg, async_stager=self.stager,
                               async_checkpointer_type=self._executor)
 
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        if self.dcpp.adaptive_budget is None:
+            return CheckpointManager._should_save(self, curr_step, last_step)
+        if not self.enable or self.load_only:
+            return False
+        if self._schedule is not None:
+            self._schedule.tick(curr_step)
+        if last_step or (curr_step == 1 and self.enable_first_step_checkpoint):
+            return True  # TorchTitan's forced saves; the same on every rank
+        return self._adaptive_decision(curr_step)
+
+    def _adaptive_decision(self, step: int) -> bool:
+        """Rank 0's policy answer for ``step``, the same on every rank."""
+        want = self._schedule.decide(step) if self._schedule is not None else False
+        if not self._broadcast:
+            return want
+        flag = torch.tensor([1 if want else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=dist.get_global_rank(self._ctl, 0), group=self._ctl)
+        return bool(flag.item())
+
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         if not self._should_save(curr_step, last_step):
             return False
+        t0 = time.monotonic()
         self.maybe_wait_for_saving()
+        waited = time.monotonic() - t0
         if self.saves and isinstance(self._planner, CachedSavePlanner):
             self.saves[-1].plan_cache_hit = self._planner.last_was_hit
             log.info("dcp_plus: step %d save reused its cached plan: %s", self.saves[-1].step,
@@ -227,6 +281,7 @@ class DcpPlusCheckpointManager(CheckpointManager):
         if last_step:
             self._save_last_step(curr_step)
             self._record(SaveRecord(curr_step, "last", time.monotonic() - begin))
+            self._report(curr_step, waited, None)
             return True
         states = self._flattened_model_states_sd()
         result = self.dcp_save(states, checkpoint_id=self._create_checkpoint_id(curr_step),
@@ -238,10 +293,21 @@ class DcpPlusCheckpointManager(CheckpointManager):
         self._record(SaveRecord(curr_step, self.async_mode.value, time.monotonic() - begin))
         log.info("dcp_plus: step %d checkpoint %s in %.3f s (blocking)", curr_step,
                  "staged" if result is not None else "saved", self.saves[-1].blocking_s)
+        self._report(curr_step, waited,
+                     result if isinstance(result, AsyncSaveResponse) else None)
         return True
 
     def _record(self, rec: SaveRecord) -> None:
         self.saves.append(rec)
+
+    def _report(self, step: int, waited_s: float, result: AsyncSaveResponse | None) -> None:
+        """Tell the adaptive schedule (rank 0) what this save cost the loop."""
+        if self._schedule is None:
+            return
+        self._schedule.saved(
+            step, blocking_s=waited_s + self.saves[-1].blocking_s, waited_s=waited_s,
+            staged=None if result is None else result.staging_completion,
+            done=None if result is None else result.upload_completion)
 
     def _maybe_wait_for_staging(self) -> None:
         if self.staging_future is None:
@@ -254,6 +320,8 @@ class DcpPlusCheckpointManager(CheckpointManager):
         waited = time.monotonic() - begin
         if self.saves:
             self.saves[-1].staging_wait_s += waited
+        if self._schedule is not None:
+            self._schedule.staging_waited(waited)
 
     def _wait_for_saving(self) -> None:
         assert self.save_future is not None

@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,23 +98,26 @@ def apply_test_hooks() -> None:
 
         MetricsProcessor.log = log_loss  # type: ignore[method-assign]
     saves = os.environ.get("DCPP_TITAN_SAVES")
-    if saves:
-        _record_save_times(saves)
+    flush_saves = _record_save_times(saves) if saves else lambda: None
     kill_at = int(os.environ.get("DCPP_TITAN_KILL_AT", "0"))
     if kill_at:
         train_step = Trainer.train_step
 
         def maybe_die(self: Any, *args: Any, **kwargs: Any) -> Any:
             if self.step == kill_at:
+                flush_saves()  # the record of the last save before the kill
                 os.kill(os.getpid(), signal.SIGKILL)
             return train_step(self, *args, **kwargs)
 
         Trainer.train_step = maybe_die  # type: ignore[method-assign]
 
 
-def _record_save_times(path: str) -> None:
+def _record_save_times(path: str) -> Callable[[], None]:
     """Append, per rank and save, the time ``save()`` and the following
-    ``maybe_wait_for_staging()`` held the training loop (any checkpoint manager)."""
+    ``maybe_wait_for_staging()`` held the training loop (any checkpoint manager).
+
+    A save's line is written at the next save (or the last step); returns the function
+    that writes a pending one now."""
     import time
 
     from torchtitan.components.checkpointer import BaseCheckpointManager
@@ -146,6 +150,7 @@ def _record_save_times(path: str) -> None:
 
     BaseCheckpointManager.save = timed_save  # type: ignore[method-assign]
     BaseCheckpointManager.maybe_wait_for_staging = timed_wait  # type: ignore[method-assign]
+    return flush
 
 
 def main() -> None:

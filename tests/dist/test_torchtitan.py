@@ -1,6 +1,7 @@
 """A real TorchTitan training loop (llama3 debug model, FSDP over 2 gloo ranks on CPU)
 checkpointing through dcp_plus: kill -9 mid-run, resume from the latest committed
-checkpoint, and the loss curve continues exactly.
+checkpoint, and the loss curve continues exactly: with TorchTitan's fixed interval, with the
+adaptive interval (``checkpoint.adaptive_budget``), and to a real S3 endpoint (SeaweedFS).
 
 CPU shims are listed in ``tests/dist/_titan_rank.py`` and ``docs/torchtitan.md``.
 """
@@ -8,6 +9,7 @@ CPU shims are listed in ``tests/dist/_titan_rank.py`` and ``docs/torchtitan.md``
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ pytest.importorskip(
     reason="TorchTitan is not installed (pip install 'dcp-plus[torchtitan]', torchtitan==0.3.0)")
 pytest.importorskip("tokenizers", reason="TorchTitan's tokenizer needs `tokenizers`")
 
+from tests.dist._seaweed import BUCKET  # noqa: E402
 from tests.dist._titan_assets import make_dataset, make_tokenizer  # noqa: E402
 from tests.dist._titan_run import log_tail, run_titan  # noqa: E402
 
@@ -41,30 +44,45 @@ def _committed_steps(folder: Path) -> list[int]:
                   if (p / ".metadata").exists())
 
 
+def _job(root: Path, name: str, config: str, dump: Path, extra: list[str],
+         env: dict[str, str] | None = None) -> list[int]:
+    """One 2-rank TorchTitan job on the module's tokenizer and dataset."""
+    args = ["--module", "tests.dist._titan_recipe", "--config", config,
+            "--hf_assets_path", str(root / "tokenizer"),
+            "--dataloader.dataset_path", str(root / "data"),
+            "--dump_folder", str(dump), "--training.steps", str(STEPS),
+            "--checkpoint.interval", str(INTERVAL), *extra]
+    env = {"DCPP_TITAN_LOSSES": str(root / f"{name}.losses.jsonl"),
+           "DCPP_TITAN_SAVES": str(root / f"{name}.saves.jsonl"), **(env or {})}
+    return run_titan(args, root, env=env, name=name)
+
+
+def _saved_steps(root: Path, name: str, rank: int) -> list[int]:
+    """Steps at which ``save()`` returned True on ``rank``."""
+    return [r["step"] for r in _read_jsonl(root / f"{name}.saves.jsonl") if r["rank"] == rank]
+
+
+def _resumed_from(root: Path, name: str, folder: str) -> int | None:
+    m = re.search(re.escape(f"Loading the checkpoint from {folder}/step-") + r"(\d+)",
+                  (root / f"{name}.rank0.log").read_text())
+    return int(m.group(1)) if m else None
+
+
 @pytest.fixture(scope="module")
 def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Three jobs: A runs through (stock recipe + --override.imports); B (the dcp_plus
     recipe) is killed at step 8; C restarts B's job unchanged and resumes."""
     root = tmp_path_factory.mktemp("titan")
-    tok, data = make_tokenizer(root / "tokenizer"), make_dataset(root / "data")
-
-    def job(name: str, config: str, dump: Path, extra: list[str],
-            env: dict[str, str] | None = None) -> list[int]:
-        args = ["--module", "tests.dist._titan_recipe", "--config", config,
-                "--hf_assets_path", str(tok), "--dataloader.dataset_path", str(data),
-                "--dump_folder", str(dump), "--training.steps", str(STEPS),
-                "--checkpoint.interval", str(INTERVAL), *extra]
-        env = {"DCPP_TITAN_LOSSES": str(root / f"{name}.losses.jsonl"),
-               "DCPP_TITAN_SAVES": str(root / f"{name}.saves.jsonl"), **(env or {})}
-        return run_titan(args, root, env=env, name=name)
-
+    make_tokenizer(root / "tokenizer")
+    make_dataset(root / "data")
     out: dict[str, Any] = {"root": root}
-    out["A"] = job("A", "stock_cpu", root / "A",
-                   ["--override.imports", "dcp_plus.integrations.torchtitan.use_dcp_plus",
-                    "--checkpoint.async_mode", "async"])
-    out["B"] = job("B", "dcp_plus_cpu", root / "B", [], {"DCPP_TITAN_KILL_AT": str(KILL_AT)})
+    out["A"] = _job(root, "A", "stock_cpu", root / "A",
+                    ["--override.imports", "dcp_plus.integrations.torchtitan.use_dcp_plus",
+                     "--checkpoint.async_mode", "async"])
+    out["B"] = _job(root, "B", "dcp_plus_cpu", root / "B", [],
+                    {"DCPP_TITAN_KILL_AT": str(KILL_AT)})
     out["B_committed"] = _committed_steps(root / "B" / "checkpoint")
-    out["C"] = job("C", "dcp_plus_cpu", root / "B", [])
+    out["C"] = _job(root, "C", "dcp_plus_cpu", root / "B", [])
     return out
 
 
@@ -125,3 +143,132 @@ def test_full_saves_after_the_first_reuse_the_cached_plan(titan: dict[str, Any])
     assert "step 3 save reused its cached plan: False" in log  # first of its structure
     assert "step 6 save reused its cached plan: True" in log
     assert "step 9 save reused its cached plan: True" in log
+
+
+# -- adaptive interval ----------------------------------------------------------------------
+
+ADAPTIVE_P = 0.05
+ADAPTIVE_WARMUP = 2
+ADAPTIVE_KILL_AT = 10
+_K_FROM = re.compile(r"adaptive interval: k=(\d+) from step (\d+)")
+_CKPT_AT = re.compile(r"adaptive interval: checkpoint at step (\d+) \((profiling|k=\d+)\)")
+
+
+def _policy_log(root: Path, name: str) -> tuple[dict[int, int], list[int]]:
+    """Rank 0's logged decisions: {step: k in force from it}, checkpointed steps."""
+    text = (root / f"{name}.rank0.log").read_text()
+    k_from = {int(m.group(2)): int(m.group(1)) for m in _K_FROM.finditer(text)}
+    return k_from, [int(m.group(1)) for m in _CKPT_AT.finditer(text)]
+
+
+@pytest.fixture(scope="module")
+def adaptive(titan: dict[str, Any]) -> dict[str, Any]:
+    """D: the dcp_plus recipe with ``--checkpoint.adaptive_budget``, killed at step 10;
+    E restarts it unchanged and resumes."""
+    root = titan["root"]
+    flags = ["--checkpoint.adaptive_budget", str(ADAPTIVE_P),
+             "--checkpoint.adaptive_warmup", str(ADAPTIVE_WARMUP)]
+    out: dict[str, Any] = {"root": root}
+    out["D"] = _job(root, "D", "dcp_plus_cpu", root / "D", flags,
+                    {"DCPP_TITAN_KILL_AT": str(ADAPTIVE_KILL_AT)})
+    out["D_committed"] = _committed_steps(root / "D" / "checkpoint")
+    out["E"] = _job(root, "E", "dcp_plus_cpu", root / "D", flags)
+    return out
+
+
+def test_adaptive_checkpoint_steps_follow_the_policy_on_every_rank(
+        adaptive: dict[str, Any]) -> None:
+    root = adaptive["root"]
+    assert all(code != 0 for code in adaptive["D"]), "job D was meant to be killed at step 10"
+    assert "checkpoint steps chosen by AdaptiveInterval(p=0.05, warmup=2)" in \
+        (root / "D.rank0.log").read_text()
+    k_from, chosen = _policy_log(root, "D")
+    # the same steps on both ranks (rank 0 decides and broadcasts), and they are the policy's
+    assert _saved_steps(root, "D", 0) == _saved_steps(root, "D", 1) == chosen
+    # profiling starts after the warm-up iterations; no step-multiple-of-interval saves
+    assert chosen[0] == ADAPTIVE_WARMUP + 1
+    assert k_from, "the policy never settled on k within 9 steps"
+    tuned_from = min(k_from)
+    # replay: from the step k was set, a step is checkpointed iff it is k past the last one
+    last = max(s for s in chosen if s < tuned_from)
+    k = None
+    for step in range(tuned_from, ADAPTIVE_KILL_AT):
+        k = k_from.get(step, k)
+        assert k is not None
+        assert (step in chosen) == (step - last >= k), (step, last, k, chosen)
+        if step in chosen:
+            last = step
+    assert [s for s in chosen if s >= tuned_from], ("no tuned checkpoint before the kill", chosen)
+    committed = adaptive["D_committed"]
+    assert committed and set(committed) <= set(chosen)
+    assert committed[-1] in chosen[-2:]  # the newest, unless its persist was cut by the kill
+
+
+def test_adaptive_resume_continues_the_loss_curve_exactly(
+        titan: dict[str, Any], adaptive: dict[str, Any]) -> None:
+    root = adaptive["root"]
+    assert adaptive["E"] == [0, 0], log_tail(root, "E")
+    resumed_from = _resumed_from(root, "E", str(root / "D" / "checkpoint"))
+    assert resumed_from == adaptive["D_committed"][-1]
+    a, d, e = (_losses(root / f"{n}.losses.jsonl") for n in "ADE")
+    assert sorted(d) == list(range(1, ADAPTIVE_KILL_AT))
+    assert sorted(e) == list(range(resumed_from + 1, STEPS + 1))
+    for step, loss in {**d, **e}.items():  # saving on other steps changes nothing
+        assert loss == a[step], (step, loss, a[step])
+    # the resumed job profiles afresh; its forced last save is its own, on both ranks
+    _, chosen = _policy_log(root, "E")
+    assert _saved_steps(root, "E", 0) == _saved_steps(root, "E", 1) == [*chosen, STEPS]
+    if chosen:
+        assert chosen[0] == resumed_from + ADAPTIVE_WARMUP + 1
+
+
+# -- S3 (SeaweedFS) ---------------------------------------------------------------------------
+
+S3_PREFIX = "titan-run"
+
+
+@pytest.fixture(scope="module")
+def s3_jobs(titan: dict[str, Any], seaweed: Any) -> dict[str, Any]:
+    """F: the dcp_plus recipe checkpointing to s3://ckpt/titan-run/checkpoint, killed at
+    step 8; G restarts it unchanged and resumes from S3. The endpoint and credentials reach
+    both dcp_plus's writer/reader and TorchTitan's own folder listing through fsspec's config
+    (``FSSPEC_S3``)."""
+    s3fs = pytest.importorskip("s3fs")
+    root = titan["root"]
+    folder = f"s3://{BUCKET}/{S3_PREFIX}/checkpoint"
+    env = {"FSSPEC_S3": json.dumps(seaweed.storage_options())}
+    flags = ["--checkpoint.folder", folder]
+    out: dict[str, Any] = {"root": root, "folder": folder}
+    out["F"] = _job(root, "F", "dcp_plus_cpu", root / "F", flags,
+                    {**env, "DCPP_TITAN_KILL_AT": str(KILL_AT)})
+    # no listing cache: G's saves must be seen after F's listing
+    fs = s3fs.S3FileSystem(**seaweed.storage_options(skip_instance_cache=True,
+                                                     use_listings_cache=False))
+    out["F_committed"] = sorted(
+        int(p.rstrip("/").rsplit("-", 1)[1]) for p in fs.ls(folder.removeprefix("s3://"))
+        if fs.exists(f"{p}/.metadata"))
+    out["G"] = _job(root, "G", "dcp_plus_cpu", root / "F", flags, env)
+    out["fs"] = fs
+    return out
+
+
+def test_s3_checkpoints_through_torchtitan_resume_bit_exact(
+        titan: dict[str, Any], s3_jobs: dict[str, Any]) -> None:
+    root, folder, fs = s3_jobs["root"], s3_jobs["folder"], s3_jobs["fs"]
+    assert all(code != 0 for code in s3_jobs["F"]), "job F was meant to be killed at step 8"
+    committed = s3_jobs["F_committed"]
+    assert committed and committed[-1] in (3, 6), committed
+    assert not (root / "F" / "checkpoint").exists()  # nothing went to the local dump folder
+    record = json.loads(fs.cat(f"{folder.removeprefix('s3://')}/step-{committed[-1]}/.metadata"))
+    assert record["format"] == "dcp_plus"
+    assert s3_jobs["G"] == [0, 0], log_tail(root, "G")
+    resumed_from = _resumed_from(root, "G", folder)
+    assert resumed_from == committed[-1]
+    a, f, g = (_losses(root / f"{n}.losses.jsonl") for n in "AFG")
+    assert sorted(f) == list(range(1, KILL_AT))
+    assert sorted(g) == list(range(resumed_from + 1, STEPS + 1))
+    for step, loss in {**f, **g}.items():
+        assert loss == a[step], (step, loss, a[step])
+    # G's saves (9, and the model-only last step) are in the bucket, committed
+    assert fs.exists(f"{folder.removeprefix('s3://')}/step-9/.metadata")
+    assert fs.exists(f"{folder.removeprefix('s3://')}/step-{STEPS}/.metadata")

@@ -27,8 +27,19 @@ def test_override_keeps_every_torchtitan_field_and_sets_new_ones() -> None:
     assert cfg._owner is DcpPlusCheckpointManager
 
 
+def test_override_json_sets_the_adaptive_budget() -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from dcp_plus.integrations.torchtitan import use_dcp_plus
+
+    cfg = use_dcp_plus(CheckpointManager.Config(enable=True, interval=500),
+                       adaptive_budget=0.05, adaptive_warmup=3)
+    assert (cfg.adaptive_budget, cfg.adaptive_warmup, cfg.interval) == (0.05, 3, 500)
+
+
 @pytest.mark.parametrize("bad", [{"stager_buffers": 3}, {"plan_cache_size": 0},
                                  {"compression": "lz4"}, {"adaptive_budget": 1.5},
+                                 {"adaptive_budget": 0.05, "adaptive_warmup": 0},
                                  {"writer": "local", "folder": "s3://b/run"}])
 def test_invalid_settings_are_refused_at_config_time(bad: dict) -> None:
     from dcp_plus.integrations.torchtitan import DcpPlusCheckpointManager
