@@ -33,7 +33,7 @@ test: lint typecheck
 $(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
 	$(PYTHON) -m venv $(TITAN_VENV)
 	$(TITAN_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TITAN_VENV)/bin/python -m pip install -q -c constraints-torchtitan.txt -e '.[test,torchtitan]'
+	$(TITAN_VENV)/bin/python -m pip install -q -c constraints-torchtitan.txt -e '.[test,torchtitan,test-s3]'
 	touch $(TITAN_STAMP)
 
 test-torchtitan: $(TITAN_STAMP)
