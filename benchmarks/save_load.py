@@ -60,6 +60,7 @@ from benchmarks._models import (
     state_dict_nbytes,
     states_equal,
 )
+from dcp_plus.bench.limits import dd_read, pwrite_files
 from dcp_plus.bench.machine import (
     ForeignCpu,
     drop_caches,
@@ -210,32 +211,8 @@ class Bench:
         bypassed; the sub-4 KiB tail goes through it), then fsync as usual.
         """
         buf = self.slab.slab.buffer
-        per = self.nbytes // streams // 4096 * 4096
-        bounds = [(i * per, (i + 1) * per if i < streams - 1 else self.nbytes)
-                  for i in range(streams)]
-
-        def one(i: int, lo: int, hi: int) -> None:
-            path = os.path.join(d, f"pwrite{i}.bin")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            dfd = os.open(path, os.O_WRONLY | os.O_DIRECT) if direct else fd
-            try:
-                body = lo + (hi - lo) // 4096 * 4096 if direct else hi
-                for start, end, f in ((lo, body, dfd), (body, hi, fd)):
-                    done = start
-                    while done < end:
-                        done += os.pwrite(f, buf[done:min(done + CHUNK, end)], done - lo)
-                os.fsync(fd)
-            finally:
-                if dfd != fd:
-                    os.close(dfd)
-                os.close(fd)
-
-        def run() -> None:
-            with ThreadPoolExecutor(streams) as ex:
-                for f in [ex.submit(one, i, lo, hi) for i, (lo, hi) in enumerate(bounds)]:
-                    f.result()
         try:
-            return self._measure(run)
+            return self._measure(lambda: pwrite_files(buf, self.nbytes, d, streams, direct))
         finally:
             buf.release()
 
@@ -320,20 +297,7 @@ class Bench:
 
     # -- loads
     def load_dd(self, files: list[str], parallel: bool, direct: bool = False) -> Sample:
-        flag = ["iflag=direct"] if direct else []
-        cmds = [["dd", f"if={f}", "of=/dev/null", "bs=64M", "status=none", *flag]
-                for f in files]
-
-        def run() -> None:
-            if parallel:
-                procs = [subprocess.Popen(c) for c in cmds]
-                for p in procs:
-                    if p.wait():
-                        raise RuntimeError("dd failed")
-            else:
-                for c in cmds:
-                    subprocess.run(c, check=True)
-        return self._measure(run, cold=files)
+        return self._measure(lambda: dd_read(files, parallel, direct), cold=files)
 
     def load_dcp(self, d: str, reader: Any, planner: Any) -> Sample:
         parts: dict[str, float] = {}
