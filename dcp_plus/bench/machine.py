@@ -12,6 +12,7 @@ import os
 import platform
 import resource
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -142,3 +143,86 @@ def machine() -> dict[str, Any]:
     return {"commit": commit or "?", "cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
             "kernel": platform.release(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+
+
+def evict_files(paths: list[str]) -> None:
+    """Drop only these files (or every file under these directories) from the page cache.
+
+    ``fsync`` then ``POSIX_FADV_DONTNEED`` per file: unlike :func:`drop_caches` it neither
+    syncs nor evicts what other processes on the machine are using.
+    """
+    files: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += [os.path.join(dp, n) for dp, _, names in os.walk(p) for n in names]
+        elif os.path.exists(p):
+            files.append(p)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _descendants(pid: int) -> list[int]:
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                out += kids
+                stack += kids
+        except OSError:
+            continue
+    return out
+
+
+def tree_pss() -> int:
+    """Proportional set size (bytes) of this process and all its descendants: shared memory
+    mapped by several of them (slabs, shm staging buffers) is counted once in total."""
+    total = 0
+    for pid in [os.getpid(), *_descendants(os.getpid())]:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total
+
+
+class PeakMemory:
+    """Peak of :func:`tree_pss` above its value at ``__enter__``, sampled every ``period`` s
+    on a background thread (``extra`` bytes after ``__exit__``)."""
+
+    def __init__(self, period: float = 0.02) -> None:
+        self.period = period
+        self.extra = 0
+        self.base = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="bench-peak-memory",
+                                        daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_pss())
+            if self._stop.wait(self.period):
+                return
+
+    def __enter__(self) -> PeakMemory:
+        self.base = self.peak = tree_pss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_pss())
+        self.extra = max(0, self.peak - self.base)
