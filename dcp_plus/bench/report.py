@@ -16,6 +16,7 @@ from dcp_plus.bench.config import BenchConfig
 
 GB = 1e9
 LIMITS = "limits: memcpy shm / pwrite+fsync / cold read"
+LIMITS_URL = "limits: memcpy shm / fsspec pipe / fsspec cat"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -27,7 +28,7 @@ def build(cfg: BenchConfig, res: dict[str, Any], timeline: dict[str, Any] | None
     """The result dict: config, machine, state, limits, rows (the table), ratios, timeline."""
     nbytes = res["nbytes"]
     lim = res["limits"]
-    rows: dict[str, dict[str, Any]] = {LIMITS: {
+    rows: dict[str, dict[str, Any]] = {LIMITS_URL if cfg.is_url else LIMITS: {
         "kind": "limit", "blocking_ms": None, "staging_s": lim["memcpy_s"],
         "persist_s": lim["write_s"], "load_s": lim["read_s"],
         "save_GBps": nbytes / GB / lim["write_s"], "load_GBps": nbytes / GB / lim["read_s"],
@@ -50,6 +51,7 @@ def build(cfg: BenchConfig, res: dict[str, Any], timeline: dict[str, Any] | None
                       "persist_s": c["saves"][0]["persist_s"]},
             "saves": c["saves"], "peak_extra_MiB": c["peak_extra_bytes"] / 2**20,
             "load1": c["load1"], "foreign_cores": c["foreign_cores"], "cold": c["cold"],
+            "wall_s": c.get("wall_s"),
         }
         row["x_limit"] = {"staging": _ratio(row["staging_s"], lim["memcpy_s"]),
                           "persist": _ratio(row["persist_s"], lim["write_s"]),
@@ -94,7 +96,7 @@ def render(result: dict[str, Any]) -> str:
     """The table (plain text, fixed width) and the ratios."""
     st, cfg = result["state"], result["config"]
     out = [f"state: {st['kind']}, d_model={st['d_model']} layers={st['layers']}, "
-           f"{st['tensors']} tensors, {st['bytes'] / 2**20:.0f} MiB over {result['ranks']} "
+           f"{st['tensors']} tensors per rank, {st['bytes'] / 2**20:.0f} MiB over {result['ranks']} "
            f"rank(s); target {cfg['target']} [{result['fs']}]; {cfg['saves']} saves per case "
            f"(medians of saves 2+); load avg {result['load1']['start']:.2f} at start"]
     w = max(len(n) for n in result["rows"])
@@ -108,8 +110,8 @@ def render(result: dict[str, Any]) -> str:
             f"{name:<{w}}  {_f(r['blocking_ms'], '.1f', 8)} {_f(r['staging_s'], '.3f', 7)} "
             f"{_f(r['persist_s'], '.3f', 7)} {_f(r['load_s'], '.3f', 6)} "
             f"{_f(r['save_GBps'], '.2f', 5)} {_f(r['load_GBps'], '.2f', 5)}  "
-            f"{_f(xl.get('staging'), '.2f', 5)} {_f(xl.get('persist'), '.2f', 5)} "
-            f"{_f(xl.get('load'), '.2f', 5)}  {_f(xd.get('blocking_ms'), '.3f', 5)} "
+            f"{_f(xl.get('staging'), '.1f', 5)} {_f(xl.get('persist'), '.1f', 5)} "
+            f"{_f(xl.get('load'), '.1f', 5)}  {_f(xd.get('blocking_ms'), '.3f', 5)} "
             f"{_f(xd.get('persist_s'), '.2f', 5)} {_f(xd.get('load_s'), '.2f', 5)}  "
             f"{_f(r['peak_extra_MiB'], '.0f', 9)}")
     out.append("ratios (below 1: dcp_plus is faster):")

@@ -115,6 +115,7 @@ def run_case(case: Case, store: _Storage, state: dict[str, Any], dest: dict[str,
              saves: int, rank: int, world: int, tick: Any) -> dict[str, Any]:
     """``saves`` saves (each into a fresh checkpoint), then one cold load of the last."""
     slug = "".join(c if c.isalnum() else "_" for c in case.name)[:40]
+    started = time.perf_counter()
     timings = []
     l1 = load1()
     with PeakMemory() as mem, ForeignCpu() as fc:
@@ -142,7 +143,8 @@ def run_case(case: Case, store: _Storage, state: dict[str, Any], dest: dict[str,
     if rank == 0:
         store.remove(store.path(slug))
     return {"saves": timings, "load_s": load_s, "peak_extra_bytes": mem.extra,
-            "load1": round(l1, 2), "foreign_cores": fc.cores, "cold": cold}
+            "load1": round(l1, 2), "foreign_cores": fc.cores, "cold": cold,
+            "wall_s": round(time.perf_counter() - started, 2)}
 
 
 def measure(cfg: BenchConfig, rank: int = 0, world: int = 1,
@@ -171,7 +173,8 @@ def measure(cfg: BenchConfig, rank: int = 0, world: int = 1,
         root = box[0]
     store = _Storage(cfg, root)
     cases = build_cases(cfg.is_url, cfg.storage_options,
-                        with_torch_checkpointing=cfg.torch_checkpointing, world=world)
+                        with_torch_checkpointing=cfg.torch_checkpointing, world=world,
+                        process_local_store=cfg.target.startswith("memory://"))
     bar = tqdm(total=1 + len(cases) * (cfg.saves + 1), desc="bench", unit="step",
                file=sys.stderr, disable=rank != 0 or None, dynamic_ncols=True, leave=False)
     out: dict[str, Any] = {"nbytes": nbytes, "cases": {}, "order": [c.name for c in cases],
@@ -254,6 +257,7 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     info = machine()
     load_start = load1()
     res = measure_in_process(cfg) if cfg.ranks == 1 else measure_in_world(cfg)
+    measured = time.perf_counter()
     timeline = None
     if cfg.timeline_steps > 0:
         with tqdm(total=3 * cfg.timeline_steps, desc="timeline", unit="step", file=sys.stderr,
@@ -268,8 +272,12 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     result["notes"] = [n for n in [
         tc if cfg.torch_checkpointing else None,
         "torch_checkpointing runs on local paths with one rank only"
-        if tc is None and (cfg.is_url or cfg.ranks > 1) else None] if n]
+        if tc is None and (cfg.is_url or cfg.ranks > 1) else None,
+        "memory:// lives in this process only: the PROCESS-executor row is left out"
+        if cfg.target.startswith("memory://") else None] if n]
     result["wall_s"] = round(time.perf_counter() - started, 2)
+    result["phases_s"] = {"measure": round(measured - started, 2),
+                          "timeline": round(time.perf_counter() - measured, 2)}
     result["median_load1_in_cases"] = statistics.median(
         r["load1"] for r in res["cases"].values()) if res["cases"] else None
     return result
