@@ -55,7 +55,7 @@ class BenchConfig:
     """fsspec options for a URL target, passed through untouched."""
     ranks: int = 1
     """Processes in a gloo world; each holds ``size / ranks`` bytes and all save together."""
-    saves: int = 3
+    saves: int = 4
     """Saves per case; the first pays one-time costs and is reported apart."""
     cold: str = "files"
     """How loads start cold: ``files`` evicts only the checkpoint's files from the page
@@ -93,9 +93,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                         "endpoint_url=http://127.0.0.1:8333")
     p.add_argument("--ranks", type=int, default=1, help="processes in a gloo world (default 1)")
     p.add_argument("--saves", type=int, default=None,
-                   help="saves per case (default 3; 2 with --quick)")
+                   help="saves per case (default 4; 3 with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help="256MiB, 2 saves per case, a short timeline: a few tens of seconds")
+                   help="256MiB, 3 saves per case, a short timeline: about half a minute")
     p.add_argument("--cold", choices=("files", "global"), default="files",
                    help="files: evict only the checkpoint's files before a load (default); "
                         "global: sync + drop the whole page cache (root; disturbs other jobs)")
@@ -120,7 +120,7 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         size=parse_size(a.size) if a.size else (256 << 20 if quick else 2 << 30),
         target=a.target, storage_options=parse_storage_options(a.storage_option),
-        ranks=a.ranks, saves=a.saves or (2 if quick else 3), cold=a.cold,
+        ranks=a.ranks, saves=a.saves or (3 if quick else 4), cold=a.cold,
         timeline_steps=steps, timeline_every=6 if quick else 10,
         timeline_dim=256 if quick else 512,
         torch_checkpointing=not a.no_torch_checkpointing, quick=quick)

@@ -24,7 +24,7 @@ def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capsys
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     t0 = time.perf_counter()
     rc = main(["bench", "--quick", "--size", "64MiB", "--target", str(tmp_path / "disk"),
-               "--timeline-steps", "12", "--json", str(out), "--plot", str(png)])
+               "--saves", "2", "--timeline-steps", "12", "--json", str(out), "--plot", str(png)])
     wall = time.perf_counter() - t0
     captured = capsys.readouterr()
     assert rc == 0, captured.err
