@@ -66,7 +66,7 @@ def write_png(result: dict[str, Any], path: str) -> None:
                              Patch(color="#c44e52", label="blocking (save call)"),
                              Patch(color="#dd8452", label="staging (after return)"),
                              Patch(color="#55a868", label="persist")],
-                    loc="lower right", fontsize=8)
+                    loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=4, fontsize=8)
         ax_t.set_title(f"TinyLM d={tl['dim']}, {tl['steps']} steps, a checkpoint every "
                        f"{tl['every']} steps")
     else:
