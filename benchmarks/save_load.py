@@ -29,13 +29,10 @@ Figures are medians over repeats. Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import mmap
 import os
-import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -62,6 +59,14 @@ from benchmarks._models import (
     shape_for_size,
     state_dict_nbytes,
     states_equal,
+)
+from dcp_plus.bench.limits import dd_read, pwrite_files
+from dcp_plus.bench.machine import (
+    ForeignCpu,
+    drop_caches,
+    fs_type,
+    load1,
+    machine,
 )
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.fileio import fsync_dir
@@ -101,134 +106,6 @@ R_SLAB = "load: dcp_plus LocalReader (verify), slab-written ckpt"
 R_STOCK = "load: stock FileSystemReader"
 ORDER = [W_DD, W_PWRITE, W_PWRITE2, W_DIRECT, W_PLUS, W_PLUS4, W_PROTO, STAGE_FIRST, STAGE, W_SLAB,
          W_STOCK, W_STOCK2, W_STOCK4, R_DD, R_DDPAR, R_DDDIRECT, R_PLUS, R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK]
-
-
-# ----------------------------------------------------------------------------- machine state
-
-def load1() -> float:
-    return os.getloadavg()[0]
-
-
-def _busy_ticks() -> int:
-    with open("/proc/stat") as f:
-        parts = f.readline().split()[1:]
-    v = [int(x) for x in parts]
-    # user nice system idle iowait irq softirq ...: time charged to processes only
-    return v[0] + v[1] + v[2]
-
-
-def _kthread_ticks() -> int:
-    """CPU of kernel threads (writeback, journal, reclaim): work the disk I/O causes."""
-    total = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                s = f.read()
-        except OSError:
-            continue
-        fields = s[s.rindex(")") + 2:].split()
-        if name == "2" or fields[1] == "2":  # kthreadd and its children
-            total += int(fields[11]) + int(fields[12])
-    return total
-
-
-def _proc_ticks(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            s = f.read()
-    except OSError:
-        return 0
-    fields = s[s.rindex(")") + 2:].split()
-    return int(fields[11]) + int(fields[12])  # utime, stime
-
-
-def _children() -> list[int]:
-    pids: list[int] = []
-    try:
-        for tid in os.listdir("/proc/self/task"):
-            with open(f"/proc/self/task/{tid}/children") as f:
-                pids += [int(p) for p in f.read().split()]
-    except OSError:
-        pass
-    return pids
-
-
-def _own_ticks() -> int:
-    hz = os.sysconf("SC_CLK_TCK")
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    reaped = round((ru.ru_utime + ru.ru_stime) * hz)
-    return _proc_ticks(os.getpid()) + sum(_proc_ticks(p) for p in _children()) + reaped
-
-
-class ForeignCpu:
-    """CPU cores used over an interval by user processes other than this one and its children
-    (kernel threads excluded: writeback and journalling work for whoever writes)."""
-
-    def __enter__(self) -> ForeignCpu:
-        self.t0 = time.perf_counter()
-        self.busy0 = _busy_ticks()
-        self.own0 = _own_ticks() + _kthread_ticks()
-        self.cores: float | None = None
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        dt = time.perf_counter() - self.t0
-        hz = os.sysconf("SC_CLK_TCK")
-        foreign = (_busy_ticks() - self.busy0) - (_own_ticks() + _kthread_ticks() - self.own0)
-        self.cores = max(0.0, foreign / hz / dt) if dt > 0 else None
-
-
-def drop_caches(paths: list[str]) -> str:
-    """Empty the page cache (as root), else fadvise DONTNEED on every file under ``paths``."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for root in paths:
-            for dirpath, _, files in os.walk(root):
-                for name in files:
-                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
-        return "fadvise"
-
-
-def fs_type(path: str) -> str:
-    best, kind = "", "?"
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, typ = line.split()[:3]
-            mnt = mnt.replace("\\040", " ")
-            real = os.path.realpath(path)
-            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-            if inside and len(mnt) >= len(best):
-                best, kind = mnt, f"{typ} ({dev} on {mnt})"
-    return kind
-
-
-def machine() -> dict[str, Any]:
-    cpu = "?"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        commit = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
-                                capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = "?"
-    return {"commit": commit or "?", "cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
 # ----------------------------------------------------------------------------- timing helpers
@@ -334,32 +211,8 @@ class Bench:
         bypassed; the sub-4 KiB tail goes through it), then fsync as usual.
         """
         buf = self.slab.slab.buffer
-        per = self.nbytes // streams // 4096 * 4096
-        bounds = [(i * per, (i + 1) * per if i < streams - 1 else self.nbytes)
-                  for i in range(streams)]
-
-        def one(i: int, lo: int, hi: int) -> None:
-            path = os.path.join(d, f"pwrite{i}.bin")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            dfd = os.open(path, os.O_WRONLY | os.O_DIRECT) if direct else fd
-            try:
-                body = lo + (hi - lo) // 4096 * 4096 if direct else hi
-                for start, end, f in ((lo, body, dfd), (body, hi, fd)):
-                    done = start
-                    while done < end:
-                        done += os.pwrite(f, buf[done:min(done + CHUNK, end)], done - lo)
-                os.fsync(fd)
-            finally:
-                if dfd != fd:
-                    os.close(dfd)
-                os.close(fd)
-
-        def run() -> None:
-            with ThreadPoolExecutor(streams) as ex:
-                for f in [ex.submit(one, i, lo, hi) for i, (lo, hi) in enumerate(bounds)]:
-                    f.result()
         try:
-            return self._measure(run)
+            return self._measure(lambda: pwrite_files(buf, self.nbytes, d, streams, direct))
         finally:
             buf.release()
 
@@ -444,20 +297,7 @@ class Bench:
 
     # -- loads
     def load_dd(self, files: list[str], parallel: bool, direct: bool = False) -> Sample:
-        flag = ["iflag=direct"] if direct else []
-        cmds = [["dd", f"if={f}", "of=/dev/null", "bs=64M", "status=none", *flag]
-                for f in files]
-
-        def run() -> None:
-            if parallel:
-                procs = [subprocess.Popen(c) for c in cmds]
-                for p in procs:
-                    if p.wait():
-                        raise RuntimeError("dd failed")
-            else:
-                for c in cmds:
-                    subprocess.run(c, check=True)
-        return self._measure(run, cold=files)
+        return self._measure(lambda: dd_read(files, parallel, direct), cold=files)
 
     def load_dcp(self, d: str, reader: Any, planner: Any) -> Sample:
         parts: dict[str, float] = {}

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.staging import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from dcp_plus.shm import Slab
+from dcp_plus.bench.limits import MemcpyLimit
 from dcp_plus.stagers import ArenaStager
 
 MiB = 1 << 20
@@ -139,29 +139,6 @@ def state_bytes(sd: Any) -> tuple[int, int]:
         elif isinstance(v, (list, tuple)):
             stack.extend(v)
     return n, b
-
-
-class MemcpyLimit:
-    """One ``copy_`` of ``nbytes`` into a pre-faulted shared buffer (kept for re-measuring)."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.src = torch.empty(nbytes, dtype=torch.uint8)
-        self.src.fill_(1)
-        self.slab = Slab(nbytes)
-        self.dst = self.slab.tensor()
-        self.dst.zero_()  # pre-fault
-
-    def measure(self, repeats: int = 3) -> float:
-        best = math.inf
-        for _ in range(repeats):
-            t = time.perf_counter()
-            self.dst.copy_(self.src)
-            best = min(best, time.perf_counter() - t)
-        return best
-
-    def close(self) -> None:
-        del self.dst, self.src
-        self.slab.close()
 
 
 def shmem_bytes() -> int:

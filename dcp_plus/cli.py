@@ -1,4 +1,4 @@
-"""The ``dcp-plus`` command: ``demo``, ``inspect PATH``, ``verify PATH``, ``plan``."""
+"""The ``dcp-plus`` command: ``demo``, ``inspect PATH``, ``verify PATH``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -98,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="checkpoint cost, intervals, memory and goodput for a job")
     add_plan_arguments(pl)
     pl.set_defaults(func=cmd_plan)
+
+    from dcp_plus.bench.cli import add_bench_arguments, cmd_bench
+
+    b = sub.add_parser("bench", help="limits, stock DCP and dcp_plus side by side: a table, "
+                                     "JSON and a PNG")
+    add_bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
     return p
 
 

@@ -1,0 +1,92 @@
+"""``--ranks N``: the measurement in a spawned gloo world of N processes on 127.0.0.1.
+
+Run as ``python -m dcp_plus.bench.world SPEC RANK`` by :func:`measure_in_world` (the
+``__main__`` guard also protects the PROCESS executor, which spawns). Rank 0 shows the
+progress bar and writes the merged result; the other ranks log to files in the spec's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from dcp_plus.bench.config import BenchConfig
+from dcp_plus.errors import DcpPlusError
+
+
+def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
+    """Spawn ``cfg.ranks`` processes, run :func:`~dcp_plus.bench.runner.measure` in each,
+    return the merged result.
+
+    Raises:
+        DcpPlusError: a rank failed or the world outlived ``timeout`` (with every log tail).
+    """
+    from dcp_plus.bench.runner import _free_port
+
+    with tempfile.TemporaryDirectory(prefix="dcpp-bench-world-") as tmp:
+        spec = Path(tmp, "spec.json")
+        fields = {k: getattr(cfg, k) for k in cfg.__slots__}  # type: ignore[attr-defined]
+        spec.write_text(json.dumps({"config": fields, "world": cfg.ranks,
+                                    "port": _free_port(), "out": tmp}))
+        spec.chmod(0o600)  # storage options may hold credentials
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        procs, logs = [], []
+        for rank in range(cfg.ranks):
+            log = Path(tmp, f"rank{rank}.log")
+            logs.append(log)
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "dcp_plus.bench.world", str(spec), str(rank)],
+                    env=env, stdin=subprocess.DEVNULL, stdout=f,
+                    stderr=None if rank == 0 else subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        result = Path(tmp, "result.json")
+        if any(p.returncode for p in procs) or not result.exists():
+            tails = "\n".join(f"--- rank {r} (exit {procs[r].returncode}) ---\n"
+                              + logs[r].read_text(errors="replace")[-3000:]
+                              for r in range(cfg.ranks))
+            raise DcpPlusError(f"the {cfg.ranks}-rank benchmark world failed:\n{tails}")
+        return dict(json.loads(result.read_text()))
+
+
+def _main(spec_path: str, rank_arg: str) -> None:
+    import torch.distributed as dist
+
+    from dcp_plus.bench.runner import measure, merge_ranks
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = int(rank_arg), int(spec["world"])
+    cfg = BenchConfig(**spec["config"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    try:
+        mine = measure(cfg, rank, world)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            Path(spec["out"], "result.json").write_text(json.dumps(merge_ranks(gathered)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])

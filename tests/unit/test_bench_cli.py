@@ -1,0 +1,94 @@
+"""`dcp-plus bench`: a quick run writes every row and ratio; arguments are checked."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+
+from dcp_plus.bench.cases import DCP_DEFAULT, DCP_TUNED, PLUS
+from dcp_plus.bench.config import parse_size, parse_storage_options
+from dcp_plus.bench.plot import have_matplotlib
+from dcp_plus.bench.report import LIMITS
+from dcp_plus.bench.runner import merge_ranks
+from dcp_plus.cli import main
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, float) and math.isfinite(v) and v > 0
+
+
+def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    t0 = time.perf_counter()
+    rc = main(["bench", "--quick", "--size", "64MiB", "--target", str(tmp_path / "disk"),
+               "--saves", "2", "--timeline-steps", "12", "--json", str(out), "--plot", str(png)])
+    wall = time.perf_counter() - t0
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert {LIMITS, DCP_DEFAULT, DCP_TUNED, PLUS} <= set(rows)
+    for name, row in rows.items():
+        for key in ("staging_s", "persist_s", "load_s", "save_GBps", "load_GBps"):
+            assert _finite(row[key]), (name, key, row[key])
+        assert all(_finite(v) for v in row["x_limit"].values()), (name, row["x_limit"])
+        if name != LIMITS:
+            assert len(row["saves"]) == 2 and row["peak_extra_MiB"] >= 0
+            assert all(_finite(v) for v in row["x_dcp"].values()), (name, row["x_dcp"])
+    assert rows[DCP_DEFAULT]["x_dcp"]["persist_s"] == pytest.approx(1.0)
+    assert rows[PLUS]["x_dcp"]["persist_s"] == pytest.approx(
+        rows[PLUS]["persist_s"] / rows[DCP_DEFAULT]["persist_s"])
+    assert all(_finite(v) for v in res["ratios"].values()), res["ratios"]
+    assert "dcp_plus persist / durable-write limit" in res["ratios"]
+    runs = res["timeline"]["runs"]
+    assert set(runs) == {"no checkpoints", "dcp: async_save default", "dcp_plus"}
+    for name in ("dcp: async_save default", "dcp_plus"):
+        assert len(runs[name]["checkpoints"]) == 2
+        for c in runs[name]["checkpoints"]:
+            assert c["call"] <= c["returned"] <= c["staged"] <= c["persisted"]
+    for name in rows:  # the table names every row
+        assert name in captured.out
+    if have_matplotlib():
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert not png.exists() and "matplotlib is not installed" in captured.err
+    assert not list((tmp_path / "disk").iterdir()), "the run left checkpoints behind"
+    assert wall < 60, f"the quick 64MiB run took {wall:.0f} s"
+
+
+def test_bad_size_exits_2_with_a_message(capsys):
+    assert main(["bench", "--size", "lots"]) == 2
+    assert "not a size: 'lots'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,expected", [("64MiB", 64 << 20), ("2GiB", 2 << 30),
+                                           ("1.5GB", 1_500_000_000), ("4096", 4096)])
+def test_sizes_parse_binary_and_decimal_units(text, expected):
+    assert parse_size(text) == expected
+
+
+def test_storage_options_pass_through_with_bools_and_ints():
+    assert parse_storage_options(["endpoint_url=http://h:1", "anon=true", "max_pool=8"]) == {
+        "endpoint_url": "http://h:1", "anon": True, "max_pool": 8}
+    with pytest.raises(ValueError, match="key=value"):
+        parse_storage_options(["novalue"])
+
+
+def test_ranks_merge_to_the_slowest_time_and_the_summed_bytes():
+    def rank(scale: float) -> dict:
+        return {"nbytes": 100, "limits": {"memcpy_s": scale, "write_s": scale, "read_s": scale},
+                "order": ["c"], "kinds": {"c": "dcp"}, "shape": {}, "fs": "x",
+                "cases": {"c": {"saves": [{"blocking_s": scale, "staging_s": scale,
+                                           "persist_s": scale}],
+                                "load_s": scale, "peak_extra_bytes": 10, "load1": 0.0,
+                                "foreign_cores": 0.0, "cold": "x"}}}
+
+    merged = merge_ranks([rank(1.0), rank(3.0)])
+    assert merged["nbytes"] == 200 and merged["ranks"] == 2
+    assert merged["limits"]["write_s"] == 3.0
+    c = merged["cases"]["c"]
+    assert c["saves"][0]["persist_s"] == 3.0 and c["load_s"] == 3.0
+    assert c["peak_extra_bytes"] == 20
