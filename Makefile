@@ -44,7 +44,7 @@ nfs-server:
 	@command -v ganesha.nfsd >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-ganesha nfs-ganesha-vfs; }
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.save_load $(BENCH_ARGS)
+	$(VENV)/bin/dcp-plus bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TITAN_VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache
