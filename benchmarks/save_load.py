@@ -2,23 +2,35 @@
 
     python -m benchmarks.save_load [--size-gib 2] [--repeats 3] [--dir PATH] [--json FILE]
 
-Each repeat runs every case once (the order rotates between repeats), each save into a fresh
-directory after ``sync`` + dropping the page cache, each load from a cold page cache:
+Each repeat runs every case once, in a random order per repeat. Before each case: a 2 s
+window in which other processes use < --max-foreign cores, ``sync`` + drop the page cache,
+then --settle seconds (default 15; see below). Each save goes into a fresh directory, each
+load reads from a cold page cache.
 
 save  dd            ``dd if=/dev/zero of=F bs=64M conv=fsync`` of the state's byte count
-      pwrite        the state's real bytes (from memory) in one pwrite stream + fsync
+      pwrite        the state's real bytes (from memory) in one pwrite stream + fsync, and
+                    in 2 streams (2 files); O_DIRECT: the same 2 streams bypassing the cache
       dcp_plus      ``dcp.save(sd, storage_writer=LocalWriter(d), no_dist=True)`` (threads=2,
                     and threads=4), in-process threads writing straight from tensor memory
       dcp_plus slab the same state copied once into a registered ``dcp_plus.shm.Slab``
                     (4 KiB-aligned views): the worker-process path (workers=2); the copy
                     into the slab is timed separately (``stage copy``)
+      prototype     not dcp_plus: LocalWriter's thread path redone with O_DIRECT through
+                    reusable bounce buffers (what the writer could do)
       stock         ``FileSystemWriter(d)`` defaults (single_file_per_rank=True,
                     sync_files=True, thread_count=1), and thread_count=2 / 4
 load  dd            ``dd if=F of=/dev/null bs=64M`` over the dcp_plus data files, one after
-                    another (and all at once: ``dd parallel``)
+                    another (and all at once: ``dd parallel``); O_DIRECT: 4 threads, 16 MiB
+                    requests into warm memory
       dcp_plus      ``dcp.load(sd, storage_reader=LocalReader(d), planner=SafeLoadPlanner(),
                     no_dist=True)``, verify on (threads 4 and 2) and off
       stock         ``FileSystemReader(d)`` with the default load planner
+
+Why the settle: on this VM (virtio-balloon free page reporting) memory freed by dropping the
+cache goes back to the host within seconds, and each page-cache page allocated after that
+costs a host fault: buffered writes/reads then run at ~0.4-0.6 GB/s per stream whatever the
+disk does (O_DIRECT: ~4 GB/s). Without the wait, a case's speed depends on which case ran
+just before it (--settle 0 shows it).
 
 Loads go into a pre-faulted destination state dict and are checked bit-exact afterwards.
 Every case records the 1-minute load average before it and the CPU time other processes
@@ -33,6 +45,7 @@ import gc
 import json
 import mmap
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -98,7 +111,7 @@ STAGE_FIRST = "stage copy into fresh slab"
 STAGE = "stage copy into reused slab"
 R_DD = "load: dd cold read, sequential"
 R_DDPAR = "load: dd cold read, parallel"
-R_DDDIRECT = "load: dd iflag=direct, parallel"
+R_DDDIRECT = "load: O_DIRECT read, 4 threads"
 R_PLUS = "load: dcp_plus LocalReader (verify, threads=4)"
 R_PLUS2 = "load: dcp_plus LocalReader (verify, threads=2)"
 R_NOVERIFY = "load: dcp_plus LocalReader (no verify, threads=4)"
@@ -196,6 +209,8 @@ class Bench:
         self.samples: dict[str, list[Sample]] = defaultdict(list)
         self.drop_method = "?"
         self.bounce: list[mmap.mmap] = []
+        self.bar: tqdm | None = None
+        self.read_buf: mmap.mmap | None = None
 
     # -- saves
     def save_dd(self, d: str) -> Sample:
@@ -296,8 +311,41 @@ class Bench:
         return s
 
     # -- loads
-    def load_dd(self, files: list[str], parallel: bool, direct: bool = False) -> Sample:
-        return self._measure(lambda: dd_read(files, parallel, direct), cold=files)
+    def load_dd(self, files: list[str], parallel: bool) -> Sample:
+        return self._measure(lambda: dd_read(files, parallel), cold=files)
+
+    def load_direct(self, files: list[str], threads: int = 4, chunk: int = 16 << 20) -> Sample:
+        """Read ``files`` with O_DIRECT (page cache bypassed) by ``threads`` threads in
+        ``chunk``-byte requests into one warm, page-aligned buffer: what the device delivers
+        to memory that is already faulted in (like a live model's tensors)."""
+        sizes = [os.path.getsize(f) for f in files]
+        total = sum(align_up(n, chunk) for n in sizes)
+        if self.read_buf is None or len(self.read_buf) < total:
+            self.read_buf = mmap.mmap(-1, total)
+            self.read_buf.write(bytes(total))  # fault in once, reused
+        jobs: list[tuple[int, int, int]] = []  # (file index, file offset, buffer offset)
+        base = 0
+        for i, n in enumerate(sizes):
+            jobs += [(i, off, base + off) for off in range(0, n, chunk)]
+            base += align_up(n, chunk)
+        buf = memoryview(self.read_buf)
+
+        def run() -> None:
+            fds = [os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files]
+            try:
+                def one(k: int) -> None:
+                    for i, off, at in jobs[k::threads]:
+                        os.preadv(fds[i], [buf[at:at + chunk]], off)
+                with ThreadPoolExecutor(threads) as ex:
+                    for f in [ex.submit(one, k) for k in range(threads)]:
+                        f.result()
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        try:
+            return self._measure(run, cold=files)
+        finally:
+            buf.release()
 
     def load_dcp(self, d: str, reader: Any, planner: Any) -> Sample:
         parts: dict[str, float] = {}
@@ -318,6 +366,7 @@ class Bench:
         return s
 
     def _measure(self, fn: Callable[[], Any], cold: list[str] | None = None) -> Sample:
+        waited = self.quiet_window()
         self.drop_method = drop_caches(cold or [])
         with ForeignCpu() as idle:
             time.sleep(self.args.settle)
@@ -326,7 +375,21 @@ class Bench:
             t = time.perf_counter()
             fn()
             dt = time.perf_counter() - t
-        return Sample(dt, l1, fc.cores, extra={"foreign_cores_settle": idle.cores})
+        return Sample(dt, l1, fc.cores, extra={"foreign_cores_settle": idle.cores,
+                                               "waited_for_quiet_s": round(waited, 1)})
+
+    def quiet_window(self) -> float:
+        """Wait (at most ``--wait-s``) for 2 s in which other processes use under
+        ``--max-foreign`` cores; returns the seconds waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < self.args.wait_s:
+            with ForeignCpu() as fc:
+                time.sleep(2)
+            if fc.cores is None or fc.cores < self.args.max_foreign:
+                break
+            if self.bar is not None:
+                self.bar.set_postfix_str(f"waiting: other processes use {fc.cores:.2f} cores")
+        return time.monotonic() - t0
 
     # -- driver
     def wait_quiet(self, bar: tqdm) -> float:
@@ -395,12 +458,14 @@ class Bench:
         n_loads = 6 + (0 if a.no_variants else 2)
         bar = tqdm(total=a.repeats * (len(saves) + n_loads), file=sys.stderr, unit="case",
                    dynamic_ncols=True)
+        self.bar = bar
         self.load_at_start: list[float] = []
         try:
             for rep in range(a.repeats):
                 self.load_at_start.append(self.wait_quiet(bar))
                 kept: dict[str, str] = {}
-                order = saves[rep % len(saves):] + saves[: rep % len(saves)]
+                # a fresh random order per repeat: no case always follows the same one
+                order = random.Random(rep).sample(saves, len(saves))
                 for name, fn in order:
                     bar.set_postfix_str(f"rep {rep + 1}: {name}")
                     d = os.path.join(root, f"r{rep}-{len(kept)}-{abs(hash(name)) % 10**6}")
@@ -412,7 +477,7 @@ class Bench:
                         shutil.rmtree(d)
                     bar.update()
                 loads = self._loads(kept)
-                order_l = loads[rep % len(loads):] + loads[: rep % len(loads)]
+                order_l = random.Random(1000 + rep).sample(loads, len(loads))
                 for name, fn_l in order_l:
                     bar.set_postfix_str(f"rep {rep + 1}: {name}")
                     self.samples[name].append(fn_l())
@@ -432,7 +497,7 @@ class Bench:
         loads: list[tuple[str, Callable[[], Sample]]] = [
             (R_DD, lambda: self.load_dd(files, parallel=False)),
             (R_DDPAR, lambda: self.load_dd(files, parallel=True)),
-            (R_DDDIRECT, lambda: self.load_dd(files, parallel=True, direct=True)),
+            (R_DDDIRECT, lambda: self.load_direct(files)),
             (R_PLUS, lambda: self.load_dcp(plus, LocalReader(plus), SafeLoadPlanner())),
             (R_NOVERIFY, lambda: self.load_dcp(plus, LocalReader(plus, verify=False),
                                                SafeLoadPlanner())),
@@ -591,7 +656,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-load", type=float, default=1.5,
                    help="wait before each repeat until the 1-min load average is below this")
     p.add_argument("--max-foreign", type=float, default=0.2,
-                   help="...or until other processes use fewer cores than this (over 5 s)")
+                   help="...or until other processes use fewer cores than this (over 5 s); "
+                        "each case also waits for 2 s under this before it starts")
     p.add_argument("--wait-s", type=float, default=600, help="longest wait for quiet")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
