@@ -20,6 +20,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from tests.dist._server import ServerProcess
+
 PSEUDO = "export"
 START_TIMEOUT_S = 30.0
 
@@ -48,7 +50,7 @@ EXPORT {{ Export_Id = 1; Path = "{export}"; Pseudo = /{pseudo}; Protocols = 4;
 
 
 @dataclass
-class GaneshaServer:
+class GaneshaServer(ServerProcess):
     """One ``ganesha.nfsd`` process; ``export_dir`` is the server-side directory it exports."""
 
     binary: str
@@ -69,6 +71,9 @@ class GaneshaServer:
     @staticmethod
     def query() -> str:
         return "?version=4.1&noresvport=true"
+
+    def scratch_dir(self) -> str:
+        return self.base_dir
 
     def start(self) -> None:
         self.port = _free_port()
@@ -110,23 +115,3 @@ class GaneshaServer:
             return True
         except (OSError, nfs_rs.NfsError):
             return False
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM by PID, SIGKILL after 15 s; removes the temporary tree."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.base_dir)

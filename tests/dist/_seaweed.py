@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from tests.dist._server import ServerProcess
+
 ACCESS_KEY = "dcpp-test-ak"
 SECRET_KEY = "dcpp-test-sk-1234567"
 BUCKET = "ckpt"
@@ -61,7 +63,7 @@ def free_ports(n: int) -> list[int]:
 
 
 @dataclass
-class SeaweedServer:
+class SeaweedServer(ServerProcess):
     """One ``weed mini`` process with its data directory."""
 
     binary: str
@@ -83,6 +85,9 @@ class SeaweedServer:
         }
         opts.update(extra)
         return opts
+
+    def scratch_dir(self) -> str:
+        return self.data_dir
 
     def start(self) -> None:
         s3, s3_grpc, master, volume, filer, admin = free_ports(6)
@@ -121,23 +126,3 @@ class SeaweedServer:
             return True  # 403 without credentials: the S3 gateway is up
         except OSError:
             return False
-
-    def tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                return f.read()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        """SIGTERM by PID, SIGKILL after 15 s; removes the data directory."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.proc = None
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.data_dir)
