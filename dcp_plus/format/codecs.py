@@ -61,7 +61,7 @@ class ZstdCodec:
         frame_size: raw bytes per frame (a multiple of 16, so every dtype's elements fit).
     """
 
-    def __init__(self, level: int = 3, threads: int = 4, *, shuffle: bool = False,
+    def __init__(self, level: int = 1, threads: int = 4, *, shuffle: bool = False,
                  frame_size: int = DEFAULT_FRAME_SIZE) -> None:
         if threads < 1 or frame_size < 16 or frame_size % 16:
             raise ValueError(f"ZstdCodec needs threads >= 1 and a frame_size that is a "
