@@ -27,6 +27,7 @@ from dcp_plus.shm import remove_orphans
 from dcp_plus.stagers.arena import Arena, Buffer, Fingerprint, plan_layout, slab_names
 from dcp_plus.stagers.copy_engine import CopyEngine
 from dcp_plus.stagers.guard import GuardHandle, install_guard
+from dcp_plus.stagers.stage_future import StageFuture
 from dcp_plus.stagers.staged import StagedStateDict
 from dcp_plus.stagers.tree import Captured, capture, fill, fqns_of, local_tensor, rewrap
 
@@ -41,7 +42,7 @@ _WARN_EVERY_S = 60.0
 class _Job:
     captured: Captured
     events: dict[int, Any]
-    future: Future[StagedStateDict]
+    future: StageFuture[StagedStateDict]
 
 
 class ArenaStager(AsyncStager):
@@ -88,6 +89,7 @@ class ArenaStager(AsyncStager):
         self._current: Arena | None = None
         self._held = 0  # snapshots staged or being staged and not yet persisted
         self._pending = 0  # jobs submitted and not finished
+        self._gates: set[threading.Event] = set()  # start signals of those jobs
         self._error: BaseException | None = None
         self._closed = False
 
@@ -107,15 +109,15 @@ class ArenaStager(AsyncStager):
         """
         self._check_open("stage")
         captured = capture(state_dict)
-        devices = {t.device for t in captured.tensors if t.device.type == "cuda"}
+        devices = {t.device for t in captured.tensors if t.is_cuda}
         self._acquire()
         try:
             events = self._engine.mark(devices) if devices else {}
-            future: Future[StagedStateDict] = Future()
-            future.set_running_or_notify_cancel()
+            future: StageFuture[StagedStateDict] = StageFuture()
             job = _Job(captured, events, future)
             with self._cond:
                 self._pending += 1
+                self._gates.add(future.go)
             self._engine.submit(lambda: self._run(job))
         except BaseException:
             self._release_permit()
@@ -129,6 +131,8 @@ class ArenaStager(AsyncStager):
             StagingError: a snapshot failed (raised once, then cleared).
         """
         with self._cond:
+            for go in self._gates:
+                go.set()
             while self._pending:
                 self._cond.wait()
             err, self._error = self._error, None
@@ -146,6 +150,8 @@ class ArenaStager(AsyncStager):
             if self._closed:
                 return
             self._closed = True
+            for go in self._gates:
+                go.set()
             self._cond.notify_all()
         self._engine.close()
         if not self.wait_persisted(timeout):
@@ -328,7 +334,9 @@ class ArenaStager(AsyncStager):
         """Driver thread: pick the arena buffer, copy, resolve the future."""
         arena: Arena | None = None
         buf: Buffer | None = None
+        go = job.future.go
         try:
+            job.future.wait_for_go()
             cap = job.captured
             locals_ = [local_tensor(t) for t in cap.tensors]
             fp = _fingerprint(fqns_of(cap.skeleton), locals_)
@@ -364,6 +372,7 @@ class ArenaStager(AsyncStager):
             job.future = None  # type: ignore[assignment]
             with self._cond:
                 self._pending -= 1
+                self._gates.discard(go)
                 self._cond.notify_all()
 
 

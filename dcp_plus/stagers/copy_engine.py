@@ -27,35 +27,45 @@ CHUNK_BYTES = 16 << 20
 """Largest single ``copy_`` on the CPU path; bounds the imbalance between threads."""
 
 
-def _chunks(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    nbytes = src.numel() * src.element_size()
-    if nbytes <= CHUNK_BYTES or not src.is_contiguous():
-        return [(src, dst)]
-    s, d = src.reshape(-1), dst.reshape(-1)
-    step = max(1, CHUNK_BYTES // src.element_size())
-    return [(s[i : i + step], d[i : i + step]) for i in range(0, s.numel(), step)]
+Lane = tuple[list[torch.Tensor], list[torch.Tensor]]
+"""One thread's share of a copy: ``(sources, destinations)``, index-aligned."""
 
 
-def split_lanes(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], lanes: int
-) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Chunk ``pairs`` and split them into ``lanes`` runs of about equal bytes, order kept."""
-    tasks: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for src, dst in pairs:
-        tasks.extend(_chunks(src, dst))
-    total = sum(s.numel() * s.element_size() for s, _ in tasks) or 1
-    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(lanes)]
+def split_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], lanes: int) -> list[Lane]:
+    """Split ``pairs`` into ``lanes`` runs of about equal bytes, order kept.
+
+    A contiguous tensor larger than :data:`CHUNK_BYTES` is cut into chunks so one huge tensor
+    can be shared between lanes. Kept cheap (one ``nbytes`` per tensor): it runs on the driver
+    thread while the trainer may want the GIL back.
+    """
+    sizes = [s.nbytes for s, _ in pairs]
+    total = sum(sizes) or 1
+    out: list[Lane] = [([], []) for _ in range(lanes)]
     done = 0
-    for s, d in tasks:
-        lane = min(lanes - 1, done * lanes // total)
-        out[lane].append((s, d))
-        done += s.numel() * s.element_size()
+    for (src, dst), nbytes in zip(pairs, sizes, strict=True):
+        if nbytes > CHUNK_BYTES and lanes > 1 and src.is_contiguous():
+            s, d = src.reshape(-1), dst.reshape(-1)
+            step = max(1, CHUNK_BYTES // src.element_size())
+            for i in range(0, s.numel(), step):
+                lane = out[min(lanes - 1, done * lanes // total)]
+                lane[0].append(s[i : i + step])
+                lane[1].append(d[i : i + step])
+                done += min(step, s.numel() - i) * src.element_size()
+            continue
+        lane = out[min(lanes - 1, done * lanes // total)]
+        lane[0].append(src)
+        lane[1].append(dst)
+        done += nbytes
     return out
 
 
-def _copy_run(run: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for s, d in run:
-        d.copy_(s)
+def _copy_run(run: Lane) -> None:
+    # One foreach call per lane: the copies run in C++ with the GIL released throughout, so the
+    # trainer thread returning from async_save never queues behind a Python copy loop.
+    srcs, dsts = run
+    if srcs:
+        with torch.no_grad():
+            torch._foreach_copy_(dsts, srcs)
 
 
 class CopyEngine:
@@ -127,7 +137,9 @@ class CopyEngine:
     def _copy_cpu(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         lanes = split_lanes(pairs, self.num_threads)
         futures = (
-            [self._pool.submit(_copy_run, run) for run in lanes[1:] if run] if self._pool else []
+            [self._pool.submit(_copy_run, run) for run in lanes[1:] if run[0]]
+            if self._pool
+            else []
         )
         err: BaseException | None = None
         try:

@@ -1,0 +1,52 @@
+"""The future ``ArenaStager.stage()`` returns, which also tells the copy engine when to start.
+
+Right after ``stage()`` returns, ``dcp.async_save`` still has work to do on the trainer's
+thread (it starts its executor thread). If the driver thread began its Python bookkeeping at
+that moment, the two would contend for the GIL, and CPython lets a waiting thread in only
+every ``sys.getswitchinterval()`` (5 ms): the caller's blocking time would double. So the
+driver waits until the caller is done with ``stage()``'s result — an ``add_done_callback``
+(``async_save``'s last step), or ``result``/``exception`` called on the thread that staged
+(``async_save``'s executor thread calls ``result()`` while the caller is still starting it, so
+that one does not count) — or until :data:`START_AFTER_S` has passed, whichever comes first.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+START_AFTER_S = 0.005
+"""Longest delay before the copy starts when nobody touches the future."""
+
+
+class StageFuture(Future[T]):
+    """A ``Future`` whose first use by the caller releases the copy job (see module doc)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self._owner = threading.get_ident()
+        self.set_running_or_notify_cancel()
+
+    def add_done_callback(self, fn: Any) -> None:
+        super().add_done_callback(fn)
+        self.go.set()
+
+    def result(self, timeout: float | None = None) -> T:
+        self._owner_waits()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._owner_waits()
+        return super().exception(timeout)
+
+    def _owner_waits(self) -> None:
+        if threading.get_ident() == self._owner:
+            self.go.set()
+
+    def wait_for_go(self) -> None:
+        """Driver side: block until the caller let go of the future, or the delay passed."""
+        self.go.wait(START_AFTER_S)
