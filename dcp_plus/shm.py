@@ -69,6 +69,17 @@ class Slab:
             raise ValueError(f"slab {self.name} is closed")
         return torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.size)
 
+    def shrink(self, size: int) -> None:
+        """Give back the pages past ``size`` (creator only; nothing may use them any more).
+
+        The mapping keeps its length; only the segment shrinks, so the bytes before ``size``
+        stay where they are and keep their pages.
+        """
+        if not self.owner or size > self.size:
+            raise ValueError(f"cannot shrink slab {self.name} from {self.size} to {size} bytes")
+        os.truncate(_slab_path(self.name), max(size, 1))
+        self.size = size
+
     def is_unlinked(self) -> bool:
         """True when the segment's name is gone (its creator freed it)."""
         return not os.path.exists(os.path.join(SHM_DIR, self.name))

@@ -18,6 +18,7 @@ import torch
 
 from dcp_plus.format.layout import ALIGNMENT, align_up
 from dcp_plus.shm import Slab, registry
+from dcp_plus.stagers.pool import SlabPool
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +107,12 @@ class Buffer:
     bases: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def allocate(cls, layout: Layout, *, pin: bool) -> Buffer:
-        """Create, pre-fault-free map, register (and optionally pin) the slabs of ``layout``."""
+    def allocate(cls, layout: Layout, *, pin: bool, pool: SlabPool | None = None) -> Buffer:
+        """Create (or take from ``pool``), map, register and optionally pin ``layout``'s slabs."""
         slabs: list[Slab] = []
         try:
             for size in layout.slab_sizes:
-                slab = Slab(size)
+                slab = (pool.take(size) if pool is not None else None) or Slab(size)
                 slabs.append(slab)
                 registry.register(slab)
                 if pin:
@@ -179,9 +180,9 @@ class Arena:
                 return buf
         return None
 
-    def add_buffer(self) -> Buffer:
-        """Allocate one more buffer."""
-        buf = Buffer.allocate(self.layout, pin=self.pin)
+    def add_buffer(self, pool: SlabPool | None = None) -> Buffer:
+        """Allocate one more buffer, with pre-faulted slabs from ``pool`` where it has them."""
+        buf = Buffer.allocate(self.layout, pin=self.pin, pool=pool)
         self.buffers.append(buf)
         logger.debug(
             "arena: allocated buffer %d (%d slabs, %d bytes, %d tensors)",

@@ -26,7 +26,8 @@ from dcp_plus.errors import CapacityError, ClosedError, DcpPlusError, StagingErr
 from dcp_plus.shm import remove_orphans
 from dcp_plus.stagers.arena import Arena, Buffer, Fingerprint, plan_layout, slab_names
 from dcp_plus.stagers.copy_engine import CopyEngine
-from dcp_plus.stagers.guard import GuardHandle, install_guard
+from dcp_plus.stagers.guard import GuardHandle, checkpoint_bytes, install_guard
+from dcp_plus.stagers.pool import SlabPool
 from dcp_plus.stagers.stage_future import StageFuture
 from dcp_plus.stagers.staged import StagedStateDict
 from dcp_plus.stagers.tree import Captured, capture, fill, fqns_of, local_tensor, rewrap
@@ -90,6 +91,8 @@ class ArenaStager(AsyncStager):
         self._held = 0  # snapshots staged or being staged and not yet persisted
         self._pending = 0  # jobs submitted and not finished
         self._gates: set[threading.Event] = set()  # start signals of those jobs
+        self._pool = SlabPool()  # pre-faulted slabs for the first arena
+        self._prefaulted: Future[None] | None = None  # the guard's pre-fault job, if any
         self._error: BaseException | None = None
         self._closed = False
 
@@ -167,19 +170,58 @@ class ArenaStager(AsyncStager):
                 arena.free()
             self._arenas = []
             self._current = None
+        self._pool.drain()
 
     # -- extras ---------------------------------------------------------------------------
 
     def guard(
-        self, optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
+        self,
+        optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+        *,
+        prefault: bool = True,
     ) -> GuardHandle:
         """Make every ``optimizer.step()`` first wait for the snapshot in flight.
+
+        Args:
+            optimizers: one optimizer or several.
+            prefault: after the first step, fault in (on a background thread) as much shared
+                memory as parameters plus optimizer state take, so the first checkpoint
+                copies at memory speed (see :meth:`prefault`).
 
         Returns:
             A handle whose ``remove()`` uninstalls the hooks.
         """
         self._check_open("guard")
-        return install_guard(optimizers, self.synchronize_staging)
+
+        def after_first_step(opts: list[torch.optim.Optimizer]) -> None:
+            with self._cond:
+                if self._closed or self._arenas:
+                    return
+            try:
+                self._prefaulted = self.prefault(checkpoint_bytes(opts))
+            except DcpPlusError as e:  # e.g. over max_bytes: the first save will say so too
+                logger.warning("ArenaStager: no pre-fault after the first step: %s", e)
+
+        return install_guard(
+            optimizers, self.synchronize_staging, after_first_step if prefault else None
+        )
+
+    def prefault(self, nbytes: int) -> Future[None]:
+        """Fault in ``nbytes`` of shared memory on the copy thread for the first snapshot.
+
+        The first arena takes its slabs from these (shrunk to fit; what is left over is
+        freed), so the first checkpoint copies at memory speed instead of paying the kernel's
+        first-touch cost. :meth:`guard` calls this after the first optimizer step; call it
+        yourself when staging without a guard. A later snapshot that finds the arena built
+        ignores the pool.
+
+        Returns:
+            A future that is done when the memory is faulted in.
+        """
+        self._check_open("prefault")
+        with self._cond:
+            self._check_capacity(nbytes + self._pool.nbytes)
+        return self._engine.submit(lambda: self._fill_pool(nbytes))
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
         """Wait until no staged dict is alive (every save has persisted and dropped it).
@@ -207,6 +249,21 @@ class ArenaStager(AsyncStager):
         for buf in bufs:
             buf.prefault()
 
+    def _fill_pool(self, nbytes: int) -> None:
+        with self._cond:
+            if self._closed or self._arenas:
+                return
+        t0 = time.perf_counter()
+        try:
+            self._pool.fill(nbytes, self.slab_bytes)
+        except OSError as e:
+            logger.warning("ArenaStager: pre-faulting %d bytes failed: %s", nbytes, e)
+            self._pool.drain()
+            return
+        logger.info(
+            "ArenaStager: pre-faulted %.1f MB in %.2fs", nbytes / 1e6, time.perf_counter() - t0
+        )
+
     def slab_names(self) -> list[str]:
         """Names of every slab this stager currently holds."""
         with self._cond:
@@ -214,9 +271,9 @@ class ArenaStager(AsyncStager):
 
     @property
     def nbytes(self) -> int:
-        """Shared-memory bytes currently held by arenas."""
+        """Shared-memory bytes currently held by arenas (and pre-faulted, not yet used)."""
         with self._cond:
-            return sum(a.nbytes for a in self._arenas)
+            return sum(a.nbytes for a in self._arenas) + self._pool.nbytes
 
     def __enter__(self) -> ArenaStager:
         return self
@@ -326,7 +383,8 @@ class ArenaStager(AsyncStager):
             buf = arena.free_buffer()
             if buf is None:
                 self._check_capacity(arena.layout.nbytes)
-                buf = arena.add_buffer()
+                buf = arena.add_buffer(self._pool)
+                self._pool.drain()
             buf.in_use = True
             return arena, buf
 

@@ -398,3 +398,77 @@ def test_200_save_cycles_keep_rss_segments_fds_and_threads_flat(tmp_path):
 @pytest.mark.slow
 def test_1000_save_cycles_keep_rss_segments_fds_and_threads_flat(tmp_path):
     _soak(1000, tmp_path)
+
+
+# -- pre-faulting -------------------------------------------------------------------------
+
+
+def test_prefaulted_slabs_become_the_first_arena_and_leftovers_are_freed():
+    sd = {"a": torch.randn(300_000), "b": torch.randn(5, 7).to(torch.bfloat16)}
+    with ArenaStager() as stager:
+        stager.prefault(8 << 20).result()  # more than the arena needs
+        pooled = _my_segments()
+        assert pooled and stager.nbytes == 8 << 20
+        staged = stager.stage(sd).result()
+        assert set(stager.slab_names()) <= pooled  # taken from the pool, not made anew
+        assert _my_segments() == set(stager.slab_names())  # leftovers unlinked
+        assert stager.nbytes == sum(os.path.getsize(f"{SHM_DIR}/{n}") for n in _my_segments())
+        assert stager.nbytes < 2 * ALIGNMENT + 300_000 * 4 + 4096
+        for k, v in sd.items():
+            assert torch.equal(staged[k], v), k
+        del staged
+
+
+def test_guard_prefaults_after_the_first_step_for_the_first_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with ArenaStager() as stager:
+        stager.guard(opt)
+        assert not _my_segments()
+        _train_step(model, opt)  # AdamW's state exists now: the pre-fault starts
+        assert stager._prefaulted is not None
+        stager._prefaulted.result()
+        pooled = _my_segments()
+        assert pooled
+        expected = _clone(model.state_dict())
+        resp = dcp.async_save(
+            {"model": model.state_dict(), "optim": opt.state_dict()},
+            storage_writer=dcp.FileSystemWriter(str(tmp_path)),
+            async_stager=stager,
+        )
+        _train_step(model, opt)
+        resp.upload_completion.result()
+        assert set(stager.slab_names()) <= pooled
+        assert _my_segments() == set(stager.slab_names())
+    loaded = _load_model_sd(str(tmp_path), expected)
+    for k, v in expected.items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_prefault_respects_max_bytes():
+    with ArenaStager(max_bytes=1 << 20) as stager:
+        with pytest.raises(CapacityError, match="max_bytes"):
+            stager.prefault(2 << 20)
+        assert not _my_segments()
+
+
+def test_a_future_nobody_waits_on_still_completes_and_result_elsewhere_works():
+    """The copy waits for the caller to let go of the future, but never forever."""
+    live = {"w": torch.randn(1000)}
+    with ArenaStager() as stager:
+        fut = stager.stage(live)
+        stager.synchronize_staging()  # nobody touched the future: the copy still ran
+        assert fut.done() and torch.equal(fut.result()["w"], live["w"])
+        del fut
+        got: list[torch.Tensor] = []
+        fut2 = stager.stage(live)
+
+        def elsewhere(f: Future = fut2) -> None:
+            got.append(f.result()["w"].clone())
+
+        t = threading.Thread(target=elsewhere)
+        t.start()
+        t.join()
+        assert torch.equal(got[0], live["w"])
+        del fut2, elsewhere
