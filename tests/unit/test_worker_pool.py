@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
+import tempfile
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,6 +73,31 @@ def test_writes_slab_ranges_and_returns_their_checksums(tmp_path, slab):
     assert data[:100] == bytes(buf[4096:4196]) and data[200:250] == bytes(buf[8192:8242])
     assert data[100:200] == bytes(100)
     assert sums == [checksum_bytes(buf[4096:4196]), checksum_bytes(buf[8192:8242])]
+    del buf
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_direct_io_writes_aligned_runs_and_tails_exactly(tmp_path, slab, where):
+    """O_DIRECT for the 4 KiB-aligned part of each run, the page cache for the tail; tmpfs
+    has no O_DIRECT and gets plain writes. Either way the file is the slab's bytes."""
+    base = tmp_path if where == "disk" else Path(tempfile.mkdtemp(dir="/dev/shm"))
+    target = base / "f.dcpp"
+    target.touch()
+    buf = slab.buffer
+    ranges = [(slab.name, 0, 0, 3 * 4096 + 17), (slab.name, 4 * 4096, 4 * 4096, 4096),
+              (slab.name, 8 * 4096, 12 * 4096, 100)]
+    pool = WorkerPool(1)
+    try:
+        (sums,) = pool.run([WriteJob(str(target), ranges, fsync=True, direct=True)])
+    finally:
+        pool.close()
+    data = target.read_bytes()
+    for _, soff, foff, n in ranges:
+        assert data[foff : foff + n] == bytes(buf[soff : soff + n])
+    assert len(data) == 12 * 4096 + 100
+    assert sums == [checksum_bytes(buf[s : s + n]) for _, s, _, n in ranges]
+    if where == "tmpfs":
+        shutil.rmtree(base)
     del buf
 
 
