@@ -22,6 +22,7 @@ import platform
 import shutil
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from dcp_plus import LocalWriter
 from dcp_plus.bench.limits import MemcpyLimit
+from dcp_plus.format.layout import align_up
 from dcp_plus.stagers import ArenaStager
 
 MiB = 1 << 20
@@ -189,6 +191,7 @@ def part_a(size_gib: float, saves: int) -> None:
     cases: list[tuple[str, Callable[[], Any], AsyncCheckpointerType]] = [
         ("ArenaStager", lambda: ArenaStager(), T),
         ("ArenaStager", lambda: ArenaStager(), P),
+        ("ArenaStager+prefault", lambda: _prefaulted(sd), T),
         ("ArenaStager+reserve", lambda: _reserved(sd), T),
         ("async_save default", lambda: None, T),
         (
@@ -220,6 +223,22 @@ def part_a(size_gib: float, saves: int) -> None:
     limit.close()
 
 
+def _prefaulted(sd: dict[str, Any]) -> ArenaStager:
+    """What ``guard()`` does after the first optimizer step: pre-fault the estimated bytes."""
+    s = ArenaStager()
+    tensors = [t for t in _leaves(sd) if isinstance(t, torch.Tensor)]
+    s.prefault(sum(align_up(max(t.nbytes, 1)) for t in tensors)).result()
+    return s
+
+
+def _leaves(v: Any) -> list[Any]:
+    if isinstance(v, dict):
+        return [x for w in v.values() for x in _leaves(w)]
+    if isinstance(v, (list, tuple)):
+        return [x for w in v for x in _leaves(w)]
+    return [v]
+
+
 def _reserved(sd: dict[str, Any]) -> ArenaStager:
     s = ArenaStager()
     s.reserve(sd)
@@ -242,7 +261,14 @@ class Net(torch.nn.Module):
         return x
 
 
-def part_b(params_m: float, steps: int, out_dir: str) -> None:
+def part_b(
+    params_m: float,
+    steps: int,
+    out_dir: str,
+    intervals: tuple[int, ...] = (1, 5, 20),
+    only: tuple[str, ...] = (),
+    pairs: int = 3,
+) -> None:
     layers = 8
     d = int(math.sqrt(params_m * 1e6 / (8 * layers)))
     torch.manual_seed(0)
@@ -269,7 +295,7 @@ def part_b(params_m: float, steps: int, out_dir: str) -> None:
         guard = stager.guard(opt) if isinstance(stager, ArenaStager) else None
         pending: list[Any] = []
         dirs: list[str] = []  # checkpoints written, oldest first (LocalWriter never overwrites)
-        times = []
+        times: list[float] = []
         for i in range(steps):
             t = time.perf_counter()
             if every and i % every == 0:
@@ -300,19 +326,24 @@ def part_b(params_m: float, steps: int, out_dir: str) -> None:
             stager.close()
         return statistics.mean(times)
 
-    bases = [run(None, None)]
     print(
         f"\n## Part B: {nparams / 1e6:.0f}M params ({nparams * 12 / 1e9:.2f} GB checkpoint: "
-        f"fp32 weights + AdamW moments), AdamW, {steps} steps"
+        f"fp32 weights + AdamW moments), AdamW; step-time overhead vs no checkpointing, "
+        f"{pairs} pairs of {steps}-step blocks per cell"
     )
-    print("| stager | writer | executor | every 1 | every 5 | every 20 |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| stager | writer | executor | "
+        + " | ".join(f"every {e}: median (each pair)" for e in intervals)
+        + " |"
+    )
+    print("|---|---|---|" + "---|" * len(intervals))
     fsw: Callable[[str], Any] = dcp.FileSystemWriter
     T, P = AsyncCheckpointerType.THREAD, AsyncCheckpointerType.PROCESS
     makers: list[tuple[str, Callable[[], Any] | None, str, Callable[[str], Any], Any]] = [
         ("ArenaStager (guard)", lambda: ArenaStager(), "LocalWriter", LocalWriter, T),
         ("ArenaStager (guard)", lambda: ArenaStager(), "FileSystemWriter", fsw, T),
         ("async_save default", None, "FileSystemWriter", fsw, T),
+        ("BlockingAsyncStager", lambda: BlockingAsyncStager(), "FileSystemWriter", fsw, T),
         (
             "DefaultStager(F,T,T,F)",
             lambda: DefaultStager(StagingOptions(False, True, True, False)),
@@ -320,20 +351,25 @@ def part_b(params_m: float, steps: int, out_dir: str) -> None:
             fsw,
             P,
         ),
-        ("BlockingAsyncStager", lambda: BlockingAsyncStager(), "FileSystemWriter", fsw, T),
     ]
-    rows = []
     for name, make, wname, writer, kind in makers:
-        rows.append((name, wname, kind.value, [run(e, make, writer, kind) for e in (1, 5, 20)]))
-        bases.append(run(None, None))  # the baseline drifts: re-measure between stagers
-    base = statistics.median(bases)
-    for name, wname, kval, times in rows:
-        cells = " | ".join(f"{(t / base - 1) * 100:+.1f}%" for t in times)
-        print(f"| {name} | {wname} | {kval} | {cells} |")
-    print(
-        f"\nno checkpoint: median {base * 1e3:.0f} ms/step "
-        f"(runs: {', '.join(f'{b * 1e3:.0f}' for b in bases)})"
-    )
+        if only and not any(o in f"{name} {wname}" for o in only):
+            continue
+        cells = []
+        for every in intervals:
+            # The VM's speed drifts by tens of percent within a minute, so each figure is the
+            # median over `pairs` of (checkpointing block / no-checkpoint block right before).
+            ratios = []
+            try:
+                for _ in range(pairs):
+                    base = run(None, None)
+                    ratios.append(run(every, make, writer, kind) / base)
+                med = statistics.median(ratios)
+                spread = ", ".join(f"{(r - 1) * 100:+.0f}" for r in ratios)
+                cells.append(f"{(med - 1) * 100:+.1f}% ({spread})")
+            except Exception as e:  # one broken stager must not hide the other rows
+                cells.append(f"failed: {type(e).__name__}")
+        print(f"| {name} | {wname} | {kind.value} | " + " | ".join(cells) + " |", flush=True)
 
 
 def _free_port() -> int:
@@ -351,6 +387,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="0.25 GiB, 25M params, 20 steps")
     ap.add_argument("--skip-a", action="store_true")
     ap.add_argument("--skip-b", action="store_true")
+    ap.add_argument("--every", default="1,5,20", help="part B checkpoint intervals")
+    ap.add_argument("--only", default="", help="part B rows whose name contains one of these")
     args = ap.parse_args()
     if args.quick:
         args.size_gib, args.params_m, args.steps, args.saves = 0.25, 25.0, 20, 3
@@ -369,13 +407,23 @@ def main() -> None:
         if not args.skip_a:
             part_a(args.size_gib, args.saves)
         if not args.skip_b:
-            part_b(args.params_m, args.steps, out_dir)
+            part_b(
+                args.params_m,
+                args.steps,
+                out_dir,
+                tuple(int(e) for e in args.every.split(",")),
+                tuple(o for o in args.only.split(",") if o),
+            )
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
         from torch.distributed.checkpoint import _async_process_executor as ape
 
         ape._CHECKPOINT_PROCESS = None
         dist.destroy_process_group()
+    sys.stdout.flush()
+    # A stock DCP PROCESS save whose daemon died leaves an executor thread waiting forever
+    # (seen with DefaultStager(F,T,T,F) + FileSystemWriter at 1.2 GB): do not hang on exit.
+    os._exit(0)
 
 
 if __name__ == "__main__":
