@@ -11,6 +11,7 @@ descriptors to worker processes instead of copying.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -105,6 +106,8 @@ class Buffer:
     pinned: bool
     in_use: bool = False
     bases: list[torch.Tensor] = field(default_factory=list)
+    generation: int = 0  # bumped when a snapshot's hold on the buffer ends or is revoked
+    consumer: threading.Thread | None = None  # the thread the current snapshot's save ran on
 
     @classmethod
     def allocate(cls, layout: Layout, *, pin: bool, pool: SlabPool | None = None) -> Buffer:

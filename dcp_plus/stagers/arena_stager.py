@@ -8,6 +8,7 @@ of the save (a ``weakref.finalize``), so no extra call is needed with stock ``dc
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 _GC_AFTER_S = 1.0
 """Waiting this long for a buffer runs one ``gc.collect()`` (a cycle may hold a staged dict)."""
 _WARN_EVERY_S = 60.0
+_SAVE_THREAD_PREFIX = "AsyncCheckpointExecutor"
+"""Name prefix of the per-save thread ``dcp.async_save`` (THREAD executor) runs a save on."""
 
 
 @dataclass(slots=True)
@@ -229,7 +232,9 @@ class ArenaStager(AsyncStager):
         Returns:
             False if ``timeout`` seconds passed first.
         """
-        return self._wait_until(lambda: self._held == 0 and self._pending == 0, timeout)
+        return self._wait_until(
+            lambda: self._held == 0 and self._pending == 0, timeout, self._reclaim_ended_saves
+        )
 
     def reserve(self, state_dict: Mapping[str, Any]) -> None:
         """Allocate and pre-fault the arena for ``state_dict``'s structure now.
@@ -289,7 +294,9 @@ class ArenaStager(AsyncStager):
                 f"ArenaStager.{what}() called after close(); create a new ArenaStager"
             )
 
-    def _wait_until(self, pred: Any, timeout: float | None) -> bool:
+    def _wait_until(
+        self, pred: Any, timeout: float | None, after_gc: Any = None
+    ) -> bool:
         start = time.monotonic()
         collected = False
         next_warn = _WARN_EVERY_S
@@ -301,6 +308,8 @@ class ArenaStager(AsyncStager):
                 if waited >= _GC_AFTER_S and not collected:
                     collected = True
                     gc.collect()
+                    if after_gc is not None:
+                        after_gc()
                     continue
                 if waited >= next_warn:
                     next_warn += _WARN_EVERY_S
@@ -324,7 +333,7 @@ class ArenaStager(AsyncStager):
                 )
             return self._held < self.buffers
 
-        if not self._wait_until(free, self.wait_timeout_s):
+        if not self._wait_until(free, self.wait_timeout_s, self._reclaim_ended_saves):
             raise StagingError(
                 f"ArenaStager(buffers={self.buffers}): no buffer was released within "
                 f"{self.wait_timeout_s}s; the previous save has not finished or a staged dict is "
@@ -338,9 +347,46 @@ class ArenaStager(AsyncStager):
             self._held -= 1
             self._cond.notify_all()
 
-    def _release(self, arena: Arena, buf: Buffer) -> None:
+    def _reclaim_ended_saves(self) -> None:
+        """Free buffers whose save has ended although their staged dict is still referenced.
+
+        A failed save keeps its staged dict alive through the exception's traceback (stored in
+        the ``upload_completion`` future until the caller drops it). With ``buffers=1`` the
+        next ``stage()`` would wait for it forever. The save ran on the thread that consumed
+        the stage future (``async_save``'s per-save executor thread, which exits after the
+        save): once that thread is gone, nothing will read the buffer any more, so it is
+        reused. Other consumers (a user's thread, the PROCESS executor) are never presumed
+        done.
+        """
+        with self._cond:
+            for arena in self._arenas:
+                for buf in arena.buffers:
+                    t = buf.consumer
+                    if (
+                        buf.in_use
+                        and t is not None
+                        and t.name.startswith(_SAVE_THREAD_PREFIX)
+                        and not t.is_alive()
+                    ):
+                        logger.warning(
+                            "ArenaStager: the save that used a snapshot ended (its thread %s "
+                            "exited) but its staged dict is still referenced, usually by a "
+                            "failed save's exception; reusing its buffer",
+                            t.name,
+                        )
+                        buf.generation += 1  # the old dict's finalizer no longer counts
+                        buf.consumer = None
+                        buf.in_use = False
+                        self._held -= 1
+            self._cond.notify_all()
+
+    def _release(self, arena: Arena, buf: Buffer, generation: int) -> None:
         """Finalizer of a staged dict: its save is over, the buffer is free again."""
         with self._cond:
+            if buf.generation != generation:  # reclaimed earlier (see _reclaim_ended_saves)
+                return
+            buf.generation += 1
+            buf.consumer = None
             buf.in_use = False
             self._held -= 1
             if arena.retired and not arena.in_use():
@@ -409,7 +455,8 @@ class ArenaStager(AsyncStager):
                     [rewrap(o, v) for o, v in zip(cap.tensors, buf.views, strict=True)],
                 )
             )
-            weakref.finalize(staged, self._release, arena, buf)
+            weakref.finalize(staged, self._release, arena, buf, buf.generation)
+            job.future.on_consumer(functools.partial(_set_consumer, buf))
             arena = buf = None  # ownership moved to the finalizer
             job.future.set_result(staged)
             del staged
@@ -432,6 +479,10 @@ class ArenaStager(AsyncStager):
                 self._pending -= 1
                 self._gates.discard(go)
                 self._cond.notify_all()
+
+
+def _set_consumer(buf: Buffer, thread: threading.Thread) -> None:
+    buf.consumer = thread
 
 
 def _fingerprint(fqns: list[str], tensors: list[torch.Tensor]) -> Fingerprint:

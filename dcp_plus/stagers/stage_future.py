@@ -13,6 +13,7 @@ that one does not count) — or until :data:`START_AFTER_S` has passed, whicheve
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -29,7 +30,15 @@ class StageFuture(Future[T]):
         super().__init__()
         self.go = threading.Event()
         self._owner = threading.get_ident()
+        self.consumer: threading.Thread | None = None  # first other thread to wait on it
+        self._sink: Callable[[threading.Thread], None] | None = None
         self.set_running_or_notify_cancel()
+
+    def on_consumer(self, sink: Callable[[threading.Thread], None]) -> None:
+        """Call ``sink`` with the consumer thread (now if known, else when it first waits)."""
+        self._sink = sink
+        if self.consumer is not None:
+            sink(self.consumer)
 
     def add_done_callback(self, fn: Any) -> None:
         super().add_done_callback(fn)
@@ -46,6 +55,12 @@ class StageFuture(Future[T]):
     def _owner_waits(self) -> None:
         if threading.get_ident() == self._owner:
             self.go.set()
+        elif self.consumer is None:
+            # async_save's executor thread: the save runs on it, so the save is over once
+            # this thread has exited (see ArenaStager: reclaiming a leaked buffer)
+            self.consumer = threading.current_thread()
+            if self._sink is not None:
+                self._sink(self.consumer)
 
     def wait_for_go(self) -> None:
         """Driver side: block until the caller let go of the future, or the delay passed."""

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 
+from dcp_plus import LocalReader, LocalWriter
 from dcp_plus.errors import CapacityError, ClosedError, StagingError
 from dcp_plus.format.layout import ALIGNMENT
 from dcp_plus.shm import SHM_DIR, registry
@@ -472,3 +473,33 @@ def test_a_future_nobody_waits_on_still_completes_and_result_elsewhere_works():
         t.join()
         assert torch.equal(got[0], live["w"])
         del fut2, elsewhere
+
+
+def test_a_failed_save_holding_its_staged_dict_does_not_block_the_next_one(tmp_path):
+    """The failed save's exception (kept in its upload future) references the staged dict;
+    with buffers=1 the next stage() must still get the buffer once that save has ended."""
+    model = torch.nn.Linear(256, 256)
+    taken = tmp_path / "taken"
+    dcp.save({"model": model.state_dict()}, storage_writer=LocalWriter(str(taken)))
+    with ArenaStager(wait_timeout_s=60) as stager:
+        failed = dcp.async_save(
+            {"model": model.state_dict()},
+            storage_writer=LocalWriter(str(taken)),  # exists: CheckpointExistsError
+            async_stager=stager,
+        )
+        with pytest.raises(BaseException, match="already"):  # DCP's CheckpointException
+            failed.upload_completion.result()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        expected = _clone(model.state_dict())
+        ok = dcp.async_save(  # `failed` is still referenced here
+            {"model": model.state_dict()},
+            storage_writer=LocalWriter(str(tmp_path / "next")),
+            async_stager=stager,
+        )
+        ok.upload_completion.result()
+        del failed, ok
+    target = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
+    dcp.load(target, storage_reader=LocalReader(str(tmp_path / "next")))
+    for k, v in expected.items():
+        assert torch.equal(target["model"][k], v), k
