@@ -40,21 +40,35 @@ MODES = ("copy all", "skip")
 
 def hsdp_state_dict(size_gib: float, mesh: Any) -> dict[str, Any]:
     """The GPT-2-like state dict with every non-scalar tensor a ``(Replicate(), Shard(0))``
-    DTensor holding this rank's half (zeros, pre-faulted: contents do not change copy time)."""
+    DTensor holding this rank's half (zeros, pre-faulted: contents do not change copy time).
+    Only the local halves are allocated."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from dcp_plus.bench.models import gpt2_like_state_dict, map_tensors
+    from dcp_plus.bench.models import (
+        MOMENT_DTYPE,
+        PARAM_DTYPE,
+        _param_groups,
+        shape_for_size,
+    )
 
+    shape = shape_for_size(size_gib * 2**30)
     coord = mesh.get_coordinate()[1]
 
-    def to_hsdp(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() == 0:
-            return t
-        local = t.chunk(2, dim=0)[coord].clone()
+    def hsdp(global_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        rows = -(-global_shape[0] // 2)  # torch.chunk: the first shard takes the remainder
+        local_rows = rows if coord == 0 else global_shape[0] - rows
+        local = torch.zeros((local_rows, *global_shape[1:]), dtype=dtype)
+        stride = torch.empty(global_shape, device="meta").stride()
         return DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
-                                  shape=t.shape, stride=t.stride())
+                                  shape=torch.Size(global_shape), stride=stride)
 
-    return map_tensors(gpt2_like_state_dict(size_gib=size_gib, fill=False), to_hsdp)
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, s in shape.params():
+        model[fqn] = hsdp(s, PARAM_DTYPE)
+        state[fqn] = {"step": torch.tensor(0.0), "exp_avg": hsdp(s, MOMENT_DTYPE),
+                      "exp_avg_sq": hsdp(s, MOMENT_DTYPE)}
+    return {"model": model, "optim": {"state": state, "param_groups": _param_groups(shape)}}
 
 
 def _worker(rank: int, world: int, size_gib: float, saves: int) -> dict[str, Any]:
@@ -97,6 +111,7 @@ def _worker(rank: int, world: int, size_gib: float, saves: int) -> dict[str, Any
                 out[mode].append({"copied": stager.last_copied_bytes,
                                   "skipped": stager.last_skipped_bytes,
                                   "blocking_ms": (t1 - t0) * 1e3, "staged_ms": (t2 - t0) * 1e3,
+                                  "copy_ms": stager.last_copy_s * 1e3,
                                   "hit": planners[mode].last_was_hit})
     finally:
         for s in stagers.values():
@@ -110,25 +125,32 @@ def _loadavg() -> str:
 
 
 def report(per_rank: list[dict[str, Any]], saves: int) -> list[str]:
-    """A Markdown table: per save and mode, bytes copied and staging time of every rank."""
+    """A Markdown table: per save and mode, bytes copied, copy time and staging time of every
+    rank (r0 r1 r2 r3), then medians over saves >= 2."""
     mib = 1 << 20
-    lines = ["| save | mode | MiB copied per rank (r0 r1 r2 r3) | staging ms per rank "
-             "(r0 r1 r2 r3) | max staging ms | plan hit |", "|---|---|---|---|---|---|"]
+    lines = ["| save | mode | MiB copied per rank | copy ms per rank | staging ms per rank "
+             "| slowest rank staging ms | plan hit |", "|---|---|---|---|---|---|---|"]
+
+    def cells(rows: list[dict[str, Any]], key: str, scale: float = 1.0, fmt: str = ".0f") -> str:
+        return " ".join(f"{x[key] / scale:{fmt}}" for x in rows)
+
     for i in range(saves):
         for mode in MODES:
             rows = [r[mode][i] for r in per_rank]
-            copied = " ".join(f"{x['copied'] / mib:.1f}" for x in rows)
-            staged = " ".join(f"{x['staged_ms']:.0f}" for x in rows)
-            lines.append(f"| {i + 1} | {mode} | {copied} | {staged} | "
+            lines.append(f"| {i + 1} | {mode} | {cells(rows, 'copied', mib, '.1f')} | "
+                         f"{cells(rows, 'copy_ms')} | {cells(rows, 'staged_ms')} | "
                          f"{max(x['staged_ms'] for x in rows):.0f} | {rows[0]['hit']} |")
     later = range(1, saves)
     for mode in MODES:
-        med = statistics.median(r[mode][i]["staged_ms"] for r in per_rank for i in later)
-        mx = statistics.median(max(r[mode][i]["staged_ms"] for r in per_rank) for i in later)
-        cp = statistics.median(r[mode][i]["copied"] for r in per_rank for i in later)
-        lines.append(f"- {mode}, saves 2..{saves}: median {cp / mib:.1f} MiB copied per rank, "
-                     f"median staging {med:.0f} ms per rank, median of the slowest rank "
-                     f"{mx:.0f} ms")
+        def med(key: str, m: str = mode) -> float:
+            return statistics.median(r[m][i][key] for r in per_rank for i in later)
+
+        slowest = statistics.median(max(r[mode][i]["staged_ms"] for r in per_rank)
+                                    for i in later)
+        lines.append(f"- {mode}, saves 2..{saves}: per rank median {med('copied') / mib:.1f} "
+                     f"MiB copied, copy {med('copy_ms'):.0f} ms, staging {med('staged_ms'):.0f} "
+                     f"ms (blocking {med('blocking_ms'):.0f} ms); slowest rank's staging, "
+                     f"median {slowest:.0f} ms")
     return lines
 
 

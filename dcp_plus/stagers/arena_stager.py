@@ -118,6 +118,8 @@ class ArenaStager(AsyncStager):
         """Tensor bytes the last completed snapshot copied."""
         self.last_skipped_bytes = 0
         """Tensor bytes the last completed snapshot skipped (``skip_unwritten``)."""
+        self.last_copy_s = 0.0
+        """Seconds the last completed snapshot spent copying (the rest is bookkeeping)."""
         if skip_unwritten is not None:
             self.skip_unwritten_by(skip_unwritten)
 
@@ -424,6 +426,7 @@ class ArenaStager(AsyncStager):
                 skip = frozenset()
             self._last_arena = arena
             views = buf.views
+            t_copy = time.perf_counter()
             if skip:
                 extents = arena.layout.extents
                 copy, stale, skipped = [], {}, 0
@@ -440,6 +443,7 @@ class ArenaStager(AsyncStager):
             else:
                 self._engine.copy(list(zip(locals_, views, strict=True)), job.events)
                 skipped = 0
+            self.last_copy_s = time.perf_counter() - t_copy
             self.last_copied_bytes = arena.tensor_bytes - skipped
             self.last_skipped_bytes = skipped
             staged = StagedStateDict(
