@@ -39,6 +39,10 @@ class StagingError(DcpPlusError, RuntimeError):
     """Snapshotting the state dict into host memory failed."""
 
 
+class StaleStagingError(StagingError):
+    """A save would write a staged tensor that ``ArenaStager(skip_unwritten=...)`` skipped."""
+
+
 class CapacityError(DcpPlusError, MemoryError):
     """A configured memory bound (``max_bytes``) would be exceeded."""
 

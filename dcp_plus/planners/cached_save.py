@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from dcp_plus.planners.cache import (
     set_active,
     structure_metadata,
 )
+from dcp_plus.planners.write_set import records_write_set, unwritten_tensor_fqns
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,12 @@ class CachedSavePlanner(DefaultSavePlanner):
     def last_was_hit(self) -> bool:
         """Whether the last save's plan came from the cache on every rank."""
         return self._cache.last_hit
+
+    def unwritten_tensor_fqns(self, fqns: Sequence[str]) -> frozenset[str]:
+        """The tensor fqns this rank's last save did not write (another replica did), or an
+        empty set if ``fqns`` differs from that save's tensor keys (``ArenaStager``'s
+        ``skip_unwritten``; see ``dcp_plus/planners/write_set.py``)."""
+        return unwritten_tensor_fqns(self, fqns)
 
     # -- SavePlanner protocol --------------------------------------------------------------
 
@@ -228,6 +236,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         self.metadata = metadata
         return self.global_plan, metadata
 
+    @records_write_set
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         """Expand a ``HIT`` reply from the cache; record a ``FULL`` reply for next time."""
         cache = self._cache

@@ -130,6 +130,11 @@ class Buffer:
         buf.make_views(layout)
         return buf
 
+    @property
+    def key(self) -> str:
+        """A name for this buffer, unique while it lives (its first slab's name)."""
+        return self.slabs[0].name if self.slabs else f"empty-{id(self)}"
+
     def make_views(self, layout: Layout) -> None:
         """(Re)build the per-tensor views from the slabs."""
         self.bases = [s.tensor() for s in self.slabs]
@@ -170,6 +175,8 @@ class Arena:
         self.pin = pin
         self.buffers: list[Buffer] = []
         self.retired = False
+        self.tensor_bytes = sum(e.nbytes for e in layout.extents)
+        """Bytes of tensor data one snapshot copies (alignment padding excluded)."""
 
     @property
     def nbytes(self) -> int:

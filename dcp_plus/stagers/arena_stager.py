@@ -12,13 +12,15 @@ import functools
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from types import FrameType
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -32,6 +34,7 @@ from dcp_plus.stagers.pool import SlabPool
 from dcp_plus.stagers.stage_future import StageFuture
 from dcp_plus.stagers.staged import StagedStateDict
 from dcp_plus.stagers.tree import Captured, capture, fill, fqns_of, local_tensor, rewrap
+from dcp_plus.stale import stale_views
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,13 @@ _GC_AFTER_S = 1.0
 _WARN_EVERY_S = 60.0
 _SAVE_THREAD_PREFIX = "AsyncCheckpointExecutor"
 """Name prefix of the per-save thread ``dcp.async_save`` (THREAD executor) runs a save on."""
+_SAVER_MODULE = "torch.distributed.checkpoint.state_dict_saver"
+
+
+class WriteSetSource(Protocol):
+    """What ``skip_unwritten`` needs: a ``CachedSavePlanner`` (see ``docs/planner.md``)."""
+
+    def unwritten_tensor_fqns(self, fqns: Sequence[str]) -> frozenset[str]: ...
 
 
 @dataclass(slots=True)
@@ -47,6 +57,7 @@ class _Job:
     captured: Captured
     events: dict[int, Any]
     future: StageFuture[StagedStateDict]
+    may_skip: bool = False
 
 
 class ArenaStager(AsyncStager):
@@ -61,6 +72,11 @@ class ArenaStager(AsyncStager):
         slab_bytes: target slab size; a tensor larger than this gets its own slab.
         wait_timeout_s: how long ``stage()`` waits for a buffer before raising
             :class:`~dcp_plus.errors.StagingError`; ``None`` waits forever.
+        skip_unwritten: a :class:`~dcp_plus.planners.CachedSavePlanner` (the one every save
+            of this stager's snapshots uses). When its last save plan on this rank did not
+            write some tensors (HSDP: another replica writes them) and the structure is the
+            same, the snapshot does not copy them; the planner fails a save that would write
+            one (see ``docs/stager.md``, "HSDP staging skip"). THREAD executor only.
 
     The staged dict a ``stage()`` future resolves to is valid until its save has persisted:
     afterwards its memory is reused by a later snapshot.
@@ -76,6 +92,7 @@ class ArenaStager(AsyncStager):
         num_threads: int | None = None,
         slab_bytes: int = 512 << 20,
         wait_timeout_s: float | None = None,
+        skip_unwritten: WriteSetSource | None = None,
     ) -> None:
         if buffers not in (1, 2):
             raise ValueError(f"ArenaStager(buffers=...) must be 1 or 2, got {buffers}")
@@ -98,6 +115,19 @@ class ArenaStager(AsyncStager):
         self._prefaulted: Future[None] | None = None  # the guard's pre-fault job, if any
         self._error: BaseException | None = None
         self._closed = False
+        self._skip: WriteSetSource | None = None
+        self._skip_off: str | None = None  # why skipping stopped for good (until re-bound)
+        self._skip_pause = False  # the last checked save failed: copy all in the next one
+        self._warned_process = False
+        self._last_arena: Arena | None = None  # driver thread only
+        self.last_copied_bytes = 0
+        """Tensor bytes the last completed snapshot copied."""
+        self.last_skipped_bytes = 0
+        """Tensor bytes the last completed snapshot skipped (``skip_unwritten``)."""
+        self.last_copy_s = 0.0
+        """Seconds the last completed snapshot spent copying (the rest is bookkeeping)."""
+        if skip_unwritten is not None:
+            self.skip_unwritten_by(skip_unwritten)
 
     # -- AsyncStager ----------------------------------------------------------------------
 
@@ -116,11 +146,12 @@ class ArenaStager(AsyncStager):
         self._check_open("stage")
         captured = capture(state_dict)
         devices = {t.device for t in captured.tensors if t.is_cuda}
+        may_skip = self._skip is not None and self._skip_off is None and self._thread_executor()
         self._acquire()
         try:
             events = self._engine.mark(devices) if devices else {}
             future: StageFuture[StagedStateDict] = StageFuture()
-            job = _Job(captured, events, future)
+            job = _Job(captured, events, future, may_skip)
             with self._cond:
                 self._pending += 1
                 self._gates.add(future.go)
@@ -170,7 +201,9 @@ class ArenaStager(AsyncStager):
             for arena in self._arenas:
                 for buf in arena.buffers:
                     buf.in_use = False
+                    stale_views.pop(buf.key)
                 arena.free()
+            self._last_arena = None
             self._arenas = []
             self._current = None
         self._pool.drain()
@@ -268,6 +301,27 @@ class ArenaStager(AsyncStager):
         logger.info(
             "ArenaStager: pre-faulted %.1f MB in %.2fs", nbytes / 1e6, time.perf_counter() - t0
         )
+
+    def skip_unwritten_by(self, planner: WriteSetSource | None) -> None:
+        """Skip copying the tensors ``planner``'s last save on this rank did not write.
+
+        See ``skip_unwritten`` in the class docstring; ``None`` turns skipping off. Calling it
+        again also re-arms skipping after the stager turned it off (see :attr:`skip_off`).
+        """
+        if planner is not None and not callable(getattr(planner, "unwritten_tensor_fqns", None)):
+            raise TypeError(
+                "skip_unwritten needs a CachedSavePlanner (an object with "
+                f"unwritten_tensor_fqns()), got {type(planner).__name__}"
+            )
+        with self._cond:
+            self._skip = planner
+            self._skip_off = None
+            self._skip_pause = False
+
+    @property
+    def skip_off(self) -> str | None:
+        """Why ``skip_unwritten`` stopped skipping for good, or None while it is armed."""
+        return self._skip_off
 
     def slab_names(self) -> list[str]:
         """Names of every slab this stager currently holds."""
@@ -376,6 +430,8 @@ class ArenaStager(AsyncStager):
                         )
                         buf.generation += 1  # the old dict's finalizer no longer counts
                         buf.consumer = None
+                        if stale_views.pop(buf.key) is not None:
+                            self._skip_pause = True  # its plan never vouched: copy all next
                         buf.in_use = False
                         self._held -= 1
             self._cond.notify_all()
@@ -387,6 +443,22 @@ class ArenaStager(AsyncStager):
                 return
             buf.generation += 1
             buf.consumer = None
+            entry = stale_views.pop(buf.key)
+            if entry is not None:
+                if entry.failed:
+                    self._skip_pause = True
+                elif not entry.checked:
+                    self._skip_off = (
+                        f"a snapshot with {len(entry.views)} skipped tensor(s) was released "
+                        "without a CachedSavePlanner checking its save plan: its save failed "
+                        "before planning finished, or it was saved with another planner (which "
+                        "would have written the skipped tensors' stale bytes)"
+                    )
+                    logger.error(
+                        "ArenaStager(skip_unwritten=...): %s; skipping is off for this stager "
+                        "(call skip_unwritten_by() to re-arm it)",
+                        self._skip_off,
+                    )
             buf.in_use = False
             self._held -= 1
             if arena.retired and not arena.in_use():
@@ -394,6 +466,10 @@ class ArenaStager(AsyncStager):
             self._cond.notify_all()
 
     def _drop_arena(self, arena: Arena) -> None:
+        for buf in arena.buffers:
+            stale_views.pop(buf.key)
+        if self._last_arena is arena:
+            self._last_arena = None
         arena.free()
         self._arenas = [a for a in self._arenas if a is not arena]
 
@@ -443,17 +519,45 @@ class ArenaStager(AsyncStager):
             job.future.wait_for_go()
             cap = job.captured
             locals_ = [local_tensor(t) for t in cap.tensors]
-            fp = _fingerprint(fqns_of(cap.skeleton), locals_)
+            fqns = fqns_of(cap.skeleton)
+            fp = _fingerprint(fqns, locals_)
             arena, buf = self._take_buffer(fp)
             if not buf.views_alias_slabs():
                 logger.warning("ArenaStager: arena views were re-based by someone; rebuilding them")
                 buf.make_views(arena.layout)
-            self._engine.copy(list(zip(locals_, buf.views, strict=True)), job.events)
+            # Ask even for a new structure (the first query starts the planner's recording),
+            # but skip only when the structure is the previous snapshot's.
+            skip = self._skip_set(fqns) if job.may_skip else frozenset()
+            if arena is not self._last_arena:
+                skip = frozenset()
+            self._last_arena = arena
+            views = buf.views
+            t_copy = time.perf_counter()
+            if skip:
+                extents = arena.layout.extents
+                copy, stale, skipped = [], {}, 0
+                for i, f in enumerate(fqns):
+                    if f in skip:
+                        nbytes = extents[i].nbytes
+                        if nbytes:
+                            stale[views[i].data_ptr()] = f
+                            skipped += nbytes
+                    else:
+                        copy.append((locals_[i], views[i]))
+                self._engine.copy(copy, job.events)
+                stale_views.set(buf.key, stale)
+            else:
+                self._engine.copy(list(zip(locals_, views, strict=True)), job.events)
+                skipped = 0
+            self.last_copy_s = time.perf_counter() - t_copy
+            self.last_copied_bytes = arena.tensor_bytes - skipped
+            self.last_skipped_bytes = skipped
             staged = StagedStateDict(
                 fill(
                     cap.skeleton,
-                    [rewrap(o, v) for o, v in zip(cap.tensors, buf.views, strict=True)],
-                )
+                    [rewrap(o, v) for o, v in zip(cap.tensors, views, strict=True)],
+                ),
+                owner=buf.key,
             )
             weakref.finalize(staged, self._release, arena, buf, buf.generation)
             job.future.on_consumer(functools.partial(_set_consumer, buf))
@@ -466,6 +570,7 @@ class ArenaStager(AsyncStager):
                 err.__cause__ = e
             with self._cond:
                 if buf is not None:
+                    stale_views.pop(buf.key)
                     buf.in_use = False
                     if arena is not None and arena.retired and not arena.in_use():
                         self._drop_arena(arena)
@@ -479,6 +584,44 @@ class ArenaStager(AsyncStager):
                 self._pending -= 1
                 self._gates.discard(go)
                 self._cond.notify_all()
+
+    def _skip_set(self, fqns: list[str]) -> frozenset[str]:
+        """Driver thread: the fqns this snapshot may leave out (empty: copy everything)."""
+        with self._cond:
+            planner, off = self._skip, self._skip_off
+            if self._skip_pause:
+                self._skip_pause = False
+                return frozenset()
+        if planner is None or off is not None:
+            return frozenset()
+        try:
+            return planner.unwritten_tensor_fqns(fqns)
+        except Exception:
+            logger.exception("ArenaStager: skip_unwritten query failed; copying every tensor")
+            return frozenset()
+
+    def _thread_executor(self) -> bool:
+        """False when ``stage()`` is called by ``async_save`` with the PROCESS executor."""
+        try:
+            f: FrameType | None = sys._getframe(2)
+        except ValueError:  # called from the top of a stack: not from async_save
+            return True
+        for _ in range(8):
+            if f is None:
+                break
+            if f.f_code.co_name == "async_save" and f.f_globals.get("__name__") == _SAVER_MODULE:
+                kind = f.f_locals.get("async_checkpointer_type")
+                if getattr(kind, "name", None) != "PROCESS":
+                    return True
+                if not self._warned_process:
+                    self._warned_process = True
+                    logger.warning(
+                        "ArenaStager(skip_unwritten=...) is ignored with DCP's PROCESS "
+                        "executor (the planner runs in its daemon): every tensor is copied"
+                    )
+                return False
+            f = f.f_back
+        return True
 
 
 def _set_consumer(buf: Buffer, thread: threading.Thread) -> None:

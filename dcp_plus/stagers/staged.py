@@ -24,15 +24,34 @@ from typing import Any
 
 import torch
 
+from dcp_plus.errors import StagingError
 from dcp_plus.shm import Slab, registry
+from dcp_plus.stale import stale_views
 
 
 class StagedStateDict(dict):
-    """A ``dict`` of staged values; see the module docstring. Valid until its save persists."""
+    """A ``dict`` of staged values; see the module docstring. Valid until its save persists.
 
-    __slots__ = ("__weakref__",)
+    ``owner`` names the arena buffer it lives in ("" if none).
+    """
+
+    __slots__ = ("__weakref__", "owner")
+
+    def __init__(self, *args: Any, owner: str = "", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.owner = owner
 
     def __reduce__(self) -> tuple[Any, ...]:
+        entry = stale_views.get(getattr(self, "owner", ""))
+        if entry is not None:
+            # ArenaStager only skips tensors when async_save runs the THREAD executor; the
+            # check that no stale view is written lives in this process, not in DCP's daemon.
+            raise StagingError(
+                f"this staged dict has {len(entry.views)} tensor(s) that ArenaStager("
+                "skip_unwritten=...) did not copy, and it is being pickled (DCP's PROCESS "
+                "executor?): the skip works with the THREAD executor only; stage again "
+                "without skip_unwritten"
+            )
         return (_rebuild, (_encode(dict(self)),))
 
 
