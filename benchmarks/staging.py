@@ -372,7 +372,8 @@ def part_b(
                 med = statistics.median(ratios)
                 spread = ", ".join(f"{(r - 1) * 100:+.0f}" for r in ratios)
                 cells.append(f"{(med - 1) * 100:+.1f}% ({spread})")
-            except Exception as e:  # one broken stager must not hide the other rows
+            except (Exception, torch.distributed.checkpoint.api.CheckpointException) as e:
+                # one broken stager must not hide the other rows (DCP raises a BaseException)
                 cells.append(f"failed: {type(e).__name__}")
         print(f"| {name} | {wname} | {kind.value} | " + " | ".join(cells) + " |", flush=True)
         if guard is not None:

@@ -69,16 +69,18 @@ class Slab:
             raise ValueError(f"slab {self.name} is closed")
         return torch.frombuffer(self._mmap, dtype=torch.uint8, count=self.size)
 
-    def shrink(self, size: int) -> None:
-        """Give back the pages past ``size`` (creator only; nothing may use them any more).
+    def resize(self, size: int) -> None:
+        """Change the segment's size before anything views it (creator only).
 
-        The mapping keeps its length; only the segment shrinks, so the bytes before ``size``
-        stay where they are and keep their pages.
+        ``mremap`` under the hood: pages up to the smaller size keep their contents *and* their
+        page-table entries (a fresh mapping would take a minor fault per page), pages past a
+        smaller size are given back. The address may change, so no tensor may view it yet.
         """
-        if not self.owner or size > self.size:
-            raise ValueError(f"cannot shrink slab {self.name} from {self.size} to {size} bytes")
-        os.truncate(_slab_path(self.name), max(size, 1))
+        if not self.owner or self._mmap is None:
+            raise ValueError(f"cannot resize slab {self.name}: not its creator, or closed")
+        self._mmap.resize(max(size, 1))  # also truncates the segment (mmap keeps its fd)
         self.size = size
+        self.address = torch.frombuffer(self._mmap, dtype=torch.uint8).data_ptr()
 
     def is_unlinked(self) -> bool:
         """True when the segment's name is gone (its creator freed it)."""

@@ -48,14 +48,19 @@ class SlabPool:
                 self._slabs.append(slab)
 
     def take(self, size: int) -> Slab | None:
-        """The smallest pooled slab of at least ``size`` bytes, shrunk to ``size``; or None."""
+        """A pooled slab resized to ``size`` bytes, or None when the pool is empty.
+
+        The smallest slab that is large enough, else the largest one, grown (only the growth
+        is not faulted in yet: the arena layout leaves slab ends unused, so it needs a little
+        more than the estimate a pool is filled with).
+        """
         with self._lock:
-            fits = [s for s in self._slabs if s.size >= size]
-            if not fits:
+            if not self._slabs:
                 return None
-            slab = min(fits, key=lambda s: s.size)
+            fits = [s for s in self._slabs if s.size >= size]
+            slab = min(fits, key=lambda s: s.size) if fits else max(self._slabs, key=lambda s: s.size)
             self._slabs.remove(slab)
-        slab.shrink(size)
+        slab.resize(size)
         return slab
 
     def drain(self) -> None:
