@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import warnings
 from collections import OrderedDict
@@ -250,6 +251,14 @@ def test_a_one_pass_flatten_that_disagrees_with_dcp_is_dropped(
     out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0}
     dcp.load(out, checkpoint_id=str(tmp_path / "1"), no_dist=True)
     assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+
+
+def test_the_planner_does_not_keep_a_saves_metadata(tmp_path: Path) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    for i in range(2):
+        _save(sd, tmp_path / str(i), planner)
+        gc.collect()
+        assert planner.metadata is None
 
 
 def test_cache_size_must_be_positive() -> None:
