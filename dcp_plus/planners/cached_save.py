@@ -11,8 +11,14 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    STATE_DICT_TYPE,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
 
 from dcp_plus.errors import PlanCacheError
 from dcp_plus.planners._fingerprint import (
@@ -325,3 +331,18 @@ class CachedSavePlanner(DefaultSavePlanner):
         cache.commit()
         self.plan = plan
         return plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """DCP's lookup, except that a plain DTensor that needs no grad gives its local tensor.
+
+        DCP returns ``DTensor.to_local()``: with grad mode on, an autograd function call that
+        returns a view of that same local tensor (about 4 us per item and save, on the
+        writer's critical path). Partial placements, tensor subclasses and DTensors that
+        require grad take DCP's path.
+        """
+        obj = self.state_dict.get(index.fqn)
+        if type(obj) is DTensor and not obj.requires_grad:
+            local = obj._local_tensor
+            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
+                return local
+        return super().lookup_object(index)
