@@ -1,38 +1,79 @@
 """Plan-step time, whole-save time and collective bytes: DCP's planners vs CachedSavePlanner.
 
-    python -m benchmarks.planner            # 2 and 4 ranks x 3,000 and 10,000 tensors, 10 saves
-    python -m benchmarks.planner --quick    # 2 ranks x 3,000 tensors, 4 saves
+    python -m benchmarks.planner                      # the full matrix (long: split it, below)
+    python -m benchmarks.planner --ranks 2 --tensors 3000 --placements shard --json a.json
+    python -m benchmarks.planner --report a.json b.json ...   # one set of tables from several runs
+    python -m benchmarks.planner --quick              # 2 ranks x 3,000 mixed DTensors, 4 saves
 
-Each configuration runs in one spawned gloo world on 127.0.0.1. The state dict holds small
-DTensors, half ``Replicate()`` and half ``Shard(0)``, written by a stock ``FileSystemWriter``
-(``sync_files=False``) into a temporary directory. Per save, the figure is the slowest rank's:
-plan step = ``set_up_planner`` entry to ``finish_plan`` exit (local plan, exchange, global
-plan), whole save = ``dcp.save`` wall time, bytes = the largest pickled payload one rank puts
-into each of DCP's four object collectives.
+Matrix: ranks (2, 4) x tensors (3,000, 10,000) x placement (``Replicate()``, ``Shard(0)``) x
+saves 1..10, each configuration in its own spawned gloo world on 127.0.0.1. The state dict is
+``{"model": {...}}`` of small float32 DTensors (global shape ``(2 * ranks, 4)``). Planners,
+interleaved save by save so that load drift hits all alike:
+
+* ``dcp_default``: ``DefaultSavePlanner()``
+* ``dcp_cached``: ``DefaultSavePlanner(enable_plan_caching=True)`` (DCP's own plan cache)
+* ``cached_save``: ``CachedSavePlanner()``
+* ``cached_save_local``: ``CachedSavePlanner()`` with dcp_plus's ``LocalWriter`` (an extra row)
+
+The first three write with a stock ``FileSystemWriter(sync_files=False)`` (like for like);
+the last with ``LocalWriter(fsync=False)``, whose write-result gather is O(1) per rank.
+
+Before every save each rank runs ``gc.collect()`` and then a ``dist.barrier()`` (``--sync``),
+outside the timed region: all ranks start the save together, and no planner pays for garbage
+or a straggling rank left by the previous planner's save. Per save, per rank:
+
+* plan step: from ``set_up_planner`` entry to ``finish_plan`` exit, i.e. flatten and
+  fingerprint, local plan, the plan gather, the coordinator's global plan, the plan scatter
+  and the final plan (everything DCP does before ``write_data``);
+* whole save: ``dcp.save`` wall time;
+* bytes: the largest pickled payload the rank puts into each of DCP's four object collectives
+  (plan gather, plan scatter, write-result gather, metadata broadcast).
+
+A save's figure is its slowest rank's. Reported: the first save, and the median (min-max) of
+saves 2..N; ratios are CachedSavePlanner's medians over DCP's cached planner's.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import datetime
+import gc
+import itertools
 import json
 import logging
+import os
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from dcp_plus.bench.machine import ForeignCpu, load1, machine
 from dcp_plus.planners.cached_save import CachedSavePlanner
+from dcp_plus.writers import LocalWriter
 from tests.dist._planner_world import CollectiveBytes, run_world, save_phases
 
 log = logging.getLogger("benchmarks.planner")
 
-PLANNERS = ("dcp_default", "dcp_cached", "cached_save")
+PLANNERS = ("dcp_default", "dcp_cached", "cached_save", "cached_save_local")
+LABELS = {
+    "dcp_default": "DefaultSavePlanner",
+    "dcp_cached": "DefaultSavePlanner(enable_plan_caching=True)",
+    "cached_save": "CachedSavePlanner",
+    "cached_save_local": "CachedSavePlanner + LocalWriter",
+}
+PHASES = ("plan_gather", "plan_scatter", "write_gather", "metadata_broadcast")
+PLAN_TARGET = 0.1
+SAVE_TARGET = 0.5
 
 
 class _Timed:
@@ -62,8 +103,15 @@ def make_planner(name: str, tag: str) -> Any:
     return type(f"TimedCached_{tag}", (_Timed, CachedSavePlanner), {})()
 
 
-def state_dict(n: int, world: int) -> dict[str, Any]:
-    """``n`` small DTensors: half replicated, half sharded on dim 0."""
+def make_writer(name: str, path: str) -> Any:
+    """The storage writer a planner's row uses."""
+    if name == "cached_save_local":
+        return LocalWriter(path, fsync=False)
+    return FileSystemWriter(path, sync_files=False)
+
+
+def state_dict(n: int, world: int, placement: str = "mixed") -> dict[str, Any]:
+    """``n`` small DTensors, ``Replicate()``, ``Shard(0)`` or alternating (``mixed``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -71,90 +119,228 @@ def state_dict(n: int, world: int) -> dict[str, Any]:
     sd: dict[str, Any] = {}
     for i in range(n):
         t = torch.full((2 * world, 4), float(i))
-        placement = Replicate() if i % 2 else Shard(0)
-        sd[f"layers.{i // 8}.w{i % 8}"] = distribute_tensor(t, mesh, [placement])
+        if placement == "replicate" or (placement == "mixed" and i % 2):
+            p: Any = Replicate()
+        else:
+            p = Shard(0)
+        sd[f"layers.{i // 8}.w{i % 8}"] = distribute_tensor(t, mesh, [p])
     return {"model": sd}
 
 
-def _worker(rank: int, world: int, n: int, saves: int, root: str) -> dict[str, Any]:
+def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
-    sd = state_dict(n, world)
+    sd = state_dict(cfg["tensors"], world, cfg["placement"])
     counter = CollectiveBytes()
-    planners = {name: make_planner(name, f"{world}_{n}") for name in PLANNERS}
-    out: dict[str, Any] = {name: [] for name in PLANNERS}
+    tag = f"{world}_{cfg['tensors']}_{cfg['placement']}"
+    planners = {name: make_planner(name, tag) for name in cfg["planners"]}
+    out: dict[str, Any] = {name: [] for name in planners}
+    prof = cProfile.Profile() if cfg["profile"] else None
     with counter.count():
         # Interleaved (save i of every planner, then save i+1) so load drift hits all alike.
-        for i in range(saves):
+        for i in range(cfg["saves"]):
             for name, planner in planners.items():
+                if cfg["sync"] == "barrier-gc":
+                    gc.collect()
+                if cfg["sync"] != "none":
+                    dist.barrier()
                 counter.take()
+                profiled = prof is not None and name == "cached_save" and i > 0
+                if profiled:
+                    prof.enable()  # type: ignore[union-attr]
                 t0 = time.perf_counter()
-                dcp.save(sd, storage_writer=FileSystemWriter(f"{root}/{name}_{i}",
-                                                             sync_files=False), planner=planner)
-                out[name].append({"plan_s": planner.plan_s, "save_s": time.perf_counter() - t0,
+                dcp.save(sd, storage_writer=make_writer(name, f"{root}/{name}_{i}"),
+                         planner=planner)
+                save_s = time.perf_counter() - t0
+                if profiled:
+                    prof.disable()  # type: ignore[union-attr]
+                out[name].append({"plan_s": planner.plan_s, "save_s": save_s,
+                                  "hit": getattr(planner, "last_was_hit", None),
                                   "bytes": save_phases(counter.take())})
+            dist.barrier()  # then drop this round's checkpoints (untimed): bounded disk use
+            if rank == 0:
+                for name in planners:
+                    shutil.rmtree(f"{root}/{name}_{i}", ignore_errors=True)
+    if prof is not None:
+        prof.dump_stats(os.path.join(cfg["profile"], f"cached_save_{tag}_rank{rank}.prof"))
     return out
 
 
-def run(world: int, n: int, saves: int) -> dict[str, list[dict[str, Any]]]:
-    """Slowest-rank figures per planner and save."""
-    with tempfile.TemporaryDirectory() as root:
-        per_rank = run_world(world, _worker, n, saves, root, timeout=1800)
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One configuration in one gloo world: per planner and save, the slowest rank's figures."""
+    with tempfile.TemporaryDirectory(dir=cfg.get("dir")) as root:
+        load_before = load1()
+        t0 = time.perf_counter()
+        with ForeignCpu() as fc:
+            per_rank = run_world(cfg["ranks"], _worker, cfg, root, timeout=1800)
+        wall = time.perf_counter() - t0
     merged: dict[str, list[dict[str, Any]]] = {}
-    for name in PLANNERS:
+    for name in cfg["planners"]:
         merged[name] = []
-        for i in range(saves):
+        for i in range(cfg["saves"]):
             rows = [r[name][i] for r in per_rank]
             merged[name].append({
                 "plan_s": max(r["plan_s"] for r in rows),
                 "save_s": max(r["save_s"] for r in rows),
-                "bytes": {k: max(r["bytes"].get(k, 0) for r in rows)
-                          for k in rows[0]["bytes"]},
+                "plan_s_ranks": [r["plan_s"] for r in rows],
+                "save_s_ranks": [r["save_s"] for r in rows],
+                "hit": rows[0]["hit"],
+                "bytes": {k: max(r["bytes"].get(k, 0) for r in rows) for k in PHASES},
             })
-    return merged
+    return {**{k: v for k, v in cfg.items() if k != "profile"},
+            "load_before": round(load_before, 2), "load_after": round(load1(), 2),
+            "foreign_cores": None if fc.cores is None else round(fc.cores, 2),
+            "wall_s": round(wall, 1), "results": merged}
 
 
-def summarize(world: int, n: int, res: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Table lines: median over saves >= 2, plus first-save figures and ratios."""
-    lines = [f"## {world} ranks x {n} tensors"]
-    lines.append("| planner | plan 1st (s) | plan >=2 (s) | save 1st (s) | save >=2 (s) | "
-                 "plan gather B | plan scatter B | write gather B | md bcast B |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
-    med: dict[str, tuple[float, float]] = {}
-    for name, rows in res.items():
-        later = rows[1:] or rows
-        plan = statistics.median(r["plan_s"] for r in later)
-        save = statistics.median(r["save_s"] for r in later)
-        med[name] = (plan, save)
-        b = later[-1]["bytes"]
-        lines.append(f"| {name} | {rows[0]['plan_s']:.3f} | {plan:.4f} | {rows[0]['save_s']:.3f} "
-                     f"| {save:.3f} | {b.get('plan_gather', 0)} | {b.get('plan_scatter', 0)} | "
-                     f"{b.get('write_gather', 0)} | {b.get('metadata_broadcast', 0)} |")
-    ours = med["cached_save"]
-    for ref in ("dcp_cached", "dcp_default"):
-        lines.append(f"- vs {ref}: plan step {ours[0] / med[ref][0]:.3f}x, "
-                     f"whole save {ours[1] / med[ref][1]:.3f}x (saves >= 2, median)")
+# ------------------------------------------------------------------------------ report
+
+
+def _med(rows: list[dict[str, Any]], key: str) -> tuple[float, float, float]:
+    later = [r[key] for r in rows[1:]] or [r[key] for r in rows]
+    return statistics.median(later), min(later), max(later)
+
+
+def _ms(v: tuple[float, float, float]) -> str:
+    return f"{v[0] * 1e3:.1f} ({v[1] * 1e3:.1f}–{v[2] * 1e3:.1f})"
+
+
+def _s(v: tuple[float, float, float]) -> str:
+    return f"{v[0]:.3f} ({v[1]:.3f}–{v[2]:.3f})"
+
+
+def _cfg_name(c: dict[str, Any]) -> str:
+    return f"{c['ranks']} x {c['tensors']:,} {c['placement']}"
+
+
+def _order(c: dict[str, Any]) -> tuple[Any, ...]:
+    return (c["ranks"], c["tensors"], c["placement"])
+
+
+def report(configs: list[dict[str, Any]]) -> list[str]:
+    """Markdown tables: per planner, criteria (ratios), hit bytes vs tensor count."""
+    configs = sorted(configs, key=_order)
+    lines = ["### Per planner", "",
+             "Plan step in ms, whole save in s: save 1 (a miss for every planner), then the "
+             "median (min–max) of saves 2..N. Bytes: the largest payload one rank put into "
+             "the collective in any of saves 2..N.", "",
+             "| config | planner | hits 2..N | plan 1st | plan 2..N | save 1st | save 2..N "
+             "| plan gather B | plan scatter B | write gather B | md bcast B |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in configs:
+        for name, rows in c["results"].items():
+            hits = [r["hit"] for r in rows[1:]]
+            hit_s = "–" if any(h is None for h in hits) else f"{sum(hits)}/{len(hits)}"
+            b = {k: max(r["bytes"][k] for r in (rows[1:] or rows)) for k in PHASES}
+            lines.append(
+                f"| {_cfg_name(c)} | {LABELS[name]} | {hit_s} | {rows[0]['plan_s'] * 1e3:.1f} "
+                f"| {_ms(_med(rows, 'plan_s'))} | {rows[0]['save_s']:.3f} "
+                f"| {_s(_med(rows, 'save_s'))} | "
+                + " | ".join(f"{b[k]:,}" for k in PHASES) + " |")
+    lines += ["", "### Criteria (saves 2..N, medians)", "",
+              f"Targets: plan step <= {PLAN_TARGET}x and whole save <= {SAVE_TARGET}x "
+              "DCP's cached planner, both with the stock `FileSystemWriter`.", "",
+              "| config | load avg | plan: ours / DCP cached | save: ours / DCP cached "
+              "| plan: ours / DCP default | save: ours / DCP default "
+              "| save: ours + LocalWriter / DCP cached |",
+              "|---|---|---|---|---|---|---|"]
+    for c in configs:
+        r = c["results"]
+        if "cached_save" not in r or "dcp_cached" not in r:
+            continue
+        ours = {k: _med(r["cached_save"], k)[0] for k in ("plan_s", "save_s")}
+
+        def ratio(ref: str, key: str, target: float | None = None,
+                  mine: dict[str, float] = ours, r: dict[str, Any] = r) -> str:
+            if ref not in r:
+                return "–"
+            x = mine[key] / _med(r[ref], key)[0]
+            mark = "" if target is None else (" ✓" if x <= target else " ✗")
+            return f"{x:.3f}x{mark}"
+        local = "–"
+        if "cached_save_local" in r:
+            mine = {"save_s": _med(r["cached_save_local"], "save_s")[0]}
+            local = ratio("dcp_cached", "save_s", mine=mine)
+        lines.append(
+            f"| {_cfg_name(c)} | {c['load_before']:.2f}–{c['load_after']:.2f} "
+            f"| {ratio('dcp_cached', 'plan_s', PLAN_TARGET)} "
+            f"| {ratio('dcp_cached', 'save_s', SAVE_TARGET)} "
+            f"| {ratio('dcp_default', 'plan_s')} | {ratio('dcp_default', 'save_s')} | {local} |")
+    groups: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
+    for c in configs:
+        groups.setdefault((c["ranks"], c["placement"]), {})[c["tensors"]] = c
+    grown = [(k, v) for k, v in groups.items() if len(v) > 1]
+    if grown:
+        lines += ["", "### Collective bytes on a hit vs tensor count (largest payload, "
+                  "saves 2..N)", "",
+                  "| ranks, placement | planner | " + " | ".join(PHASES) + " |",
+                  "|---|---|" + "---|" * len(PHASES)]
+        for (ranks, placement), by_n in grown:
+            ns = sorted(by_n)
+            for name in PLANNERS:
+                if not all(name in by_n[n]["results"] for n in ns):
+                    continue
+                cells = []
+                for k in PHASES:
+                    vals = [max(x["bytes"][k] for x in by_n[n]["results"][name][1:])
+                            for n in ns]
+                    cells.append(" / ".join(f"{v:,}" for v in vals))
+                lines.append(f"| {ranks}, {placement} ({' / '.join(f'{n:,}' for n in ns)} "
+                             f"tensors) | {LABELS[name]} | " + " | ".join(cells) + " |")
     return lines
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print a Markdown table per configuration."""
+    """Run the benchmark (or render runs' JSON) and print Markdown tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 ranks x 3,000 tensors, 4 saves")
-    parser.add_argument("--json", help="also write raw figures to this file")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--tensors", type=int, nargs="+", default=[3000, 10000])
+    parser.add_argument("--placements", nargs="+", default=["replicate", "shard"],
+                        choices=["replicate", "shard", "mixed"])
+    parser.add_argument("--saves", type=int, default=10)
+    parser.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=PLANNERS)
+    parser.add_argument("--sync", default="barrier-gc", choices=["barrier-gc", "barrier", "none"],
+                        help="before each save: gc.collect() and a barrier (default), a "
+                             "barrier only, or nothing")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 ranks x 3,000 mixed DTensors, 4 saves")
+    parser.add_argument("--dir", help="parent of the temporary checkpoint directories")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cProfile CachedSavePlanner's saves 2..N per rank into DIR "
+                             "(the timings of such a run are not representative)")
+    parser.add_argument("--json", help="write the raw figures of this run to this file")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="only print the tables of earlier runs' JSON files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    configs = [(2, 3000)] if args.quick else [(2, 3000), (2, 10000), (4, 3000), (4, 10000)]
-    saves = 4 if args.quick else 10
-    raw = {}
-    for world, n in configs:
-        t0 = time.perf_counter()
-        res = run(world, n, saves)
-        raw[f"{world}x{n}"] = res
-        log.info("\n".join(summarize(world, n, res)))
-        log.info("(%.0f s)\n", time.perf_counter() - t0)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(raw, f, indent=1)
+    if args.report:
+        configs = []
+        for path in args.report:
+            with open(path) as f:
+                configs += json.load(f)["configs"]
+        print("\n".join(report(configs)))
+        return
+    if args.quick:
+        args.ranks, args.tensors, args.placements, args.saves = [2], [3000], ["mixed"], 4
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+    run_info = {"machine": machine(), "argv": sys.argv[1:] if argv is None else argv,
+                "sync": args.sync, "started": datetime.datetime.now(datetime.timezone.utc)
+                .isoformat(timespec="seconds")}
+    configs = []
+    for ranks, n, placement in itertools.product(args.ranks, args.tensors, args.placements):
+        cfg = {"ranks": ranks, "tensors": n, "placement": placement, "saves": args.saves,
+               "planners": args.planners, "sync": args.sync, "dir": args.dir,
+               "profile": args.profile}
+        log.info("%s: %d saves x %d planners ...", _cfg_name(cfg), args.saves,
+                 len(args.planners))
+        res = run(cfg)
+        configs.append(res)
+        log.info("  %.0f s, load %.2f -> %.2f, other processes %s cores", res["wall_s"],
+                 res["load_before"], res["load_after"], res["foreign_cores"])
+        if args.json:  # after every configuration, so an interrupted run keeps what it has
+            with open(args.json, "w") as f:
+                json.dump({**run_info, "configs": configs}, f, indent=1)
+    print("\n".join(report(configs)))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,12 @@
 A save plan (and the global plan and ``Metadata`` built from it) is a function of the state
 dict's *structure* only: key paths, tensor dtypes, shapes and properties, DTensor /
 ShardedTensor chunk offsets and sizes, the process group, and the storage writer's type and
-settings. It does not depend on tensor values. :func:`structure_digest` hashes exactly those
-inputs, in one cheap pass, so that a planner can reuse an earlier plan when the digest repeats.
+settings. It does not depend on tensor values.
+
+:func:`flatten_with_entries` flattens a state dict as DCP does and, in the same pass, lists
+those inputs per value (:data:`Entry`). A planner compares that list with the lists of
+structures it has planned before (a C-level comparison, mostly by identity) and hashes it
+(:func:`digest_entries`) only when it is new.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import enum
 import hashlib
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.tensor import DTensor
 
 DIGEST_SIZE = 16
@@ -38,68 +44,174 @@ def digest(payload: str | bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=DIGEST_SIZE).digest()
 
 
-class _Interner:
-    """Small ints for repeated sub-keys (dtype, placements, mesh...), in first-seen order.
-
-    Keeps the per-tensor key short, which makes hashing it several times faster; the table
-    itself is hashed too, so equal digests still mean equal structures.
-    """
-
-    def __init__(self) -> None:
-        self.codes: dict[Any, int] = {}
-        self.meshes: dict[int, tuple[Any, ...]] = {}
-
-    def code(self, key: Any) -> int:
-        c = self.codes.get(key)
-        if c is None:
-            c = self.codes[key] = len(self.codes)
-        return c
-
-    def mesh(self, mesh: Any) -> tuple[Any, ...]:
-        key = self.meshes.get(id(mesh))
-        if key is None:
-            key = (
-                tuple(mesh.mesh.shape),
-                tuple(mesh.mesh.flatten().tolist()),
-                mesh.mesh_dim_names,
-                mesh.get_coordinate(),
-            )
-            self.meshes[id(mesh)] = key
-        return key
+Entry = tuple[Any, ...]
+"""One flattened value's plan inputs: ``(kind, key, ...)`` where ``key`` is its object path
+(DCP's flatten mapping) or, without flattening, its fqn. Kinds: ``"D"`` DTensor, ``"T"``
+tensor, ``"S"`` ShardedTensor, ``"X"`` a tensor subclass that plans itself, ``"B"`` anything
+else (saved as one BYTE_IO item whatever its value or type). Entries hold the objects
+themselves (``torch.Size``, dtypes, placements, device meshes), so that comparing two
+structures is a C-level list comparison that mostly compares by identity."""
 
 
-def _value_key(fqn: str, obj: Any, intern: _Interner) -> tuple[Any, ...]:
-    """What the write items of ``obj`` depend on (never its values)."""
+def _entry(fqn: str, key: Any, obj: Any, grad: bool) -> Entry:
+    """What the write items of ``obj`` depend on (never its values); mirrors DCP's
+    ``_create_write_items`` and ``create_default_local_save_plan``."""
     if isinstance(obj, DTensor):
         local = obj._local_tensor
         if not hasattr(local, "__create_write_items__"):
-            props = (
-                obj.dtype,
-                obj.placements,
-                intern.mesh(obj.device_mesh),
-                obj.requires_grad,
-                local.layout,
-                local.is_pinned(),
-            )
-            return ("D", intern.code(props), tuple(obj.shape), tuple(local.shape))
+            # DCP: chunk from (global shape, mesh incl. this rank's coordinate, placements);
+            # properties from ``to_local()``, which is the local tensor itself under no_grad.
+            return ("D", key, obj.shape, local.dtype, local.layout,
+                    (obj if grad else local).requires_grad, local.is_pinned(),
+                    obj.placements, obj.device_mesh)
     elif isinstance(obj, ShardedTensor):
         shards = tuple(
             (tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes), s.tensor.dtype)
             for s in obj.local_shards()
         )
-        tprops = obj.metadata().tensor_properties
-        return ("S", tuple(obj.size()), tprops.dtype, tprops.requires_grad, shards)
-    elif type(obj) is torch.Tensor or (
-        isinstance(obj, torch.Tensor) and not hasattr(obj, "__create_write_items__")
-    ):
-        code = intern.code((obj.dtype, obj.requires_grad, obj.layout, obj.is_pinned()))
-        return ("T", code, tuple(obj.shape))
+        md = obj.metadata()
+        return ("S", key, tuple(md.size), md.tensor_properties, shards)
+    elif isinstance(obj, torch.Tensor) and not hasattr(obj, "__create_write_items__"):
+        return ("T", key, obj.shape, obj.dtype, obj.layout, obj.requires_grad, obj.is_pinned())
     if hasattr(obj, "__create_write_items__"):
         # An unusual tensor subclass plans itself: fingerprint its items (exact, slower).
         items = obj.__create_write_items__(fqn, obj)
-        return ("X", tuple((i.index, i.type, repr(i.tensor_data)) for i in items))
-    # Non-tensor values are saved as one BYTE_IO item whatever their value or type.
-    return ("B",)
+        return ("X", key, tuple((i.index, i.type, repr(i.tensor_data)) for i in items))
+    return ("B", key)
+
+
+def structure_entries(
+    state_dict: Mapping[str, Any], mappings: Mapping[str, Any] | None = None
+) -> list[Entry]:
+    """The entries of an already flattened ``state_dict`` (``mappings``: DCP's flatten map)."""
+    grad = torch.is_grad_enabled()
+    if mappings:
+        return [_entry(fqn, mappings.get(fqn, fqn), obj, grad) for fqn, obj in state_dict.items()]
+    return [_entry(fqn, fqn, obj, grad) for fqn, obj in state_dict.items()]
+
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+# Leaf types that are certainly neither a Mapping nor a list (skips two ABC checks each).
+_LEAVES = frozenset({DTensor, _Tensor, _Parameter, int, float, str, bool, bytes, type(None)})
+
+
+@dataclass
+class Flat:
+    """A state dict flattened exactly as DCP's ``flatten_state_dict`` does, with its entries."""
+
+    state_dict: dict[str, Any]
+    mappings: dict[str, tuple[str | int, ...]]
+    entries: list[Entry]
+    has_sharded: bool
+
+
+def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
+    """DCP's ``flatten_state_dict`` and :func:`structure_entries` in one pass.
+
+    Same keys, order, object paths and duplicate-key error as DCP's flatten (nested mappings,
+    lists that hold tensors or mappings; other lists, tuples and values are leaves), about
+    5x faster, plus the entries for plain DTensors and tensors computed inline. Returns None
+    where DCP would use its pre-2.4 traversal (``_version._derived_version == "2_3"``).
+    :class:`~dcp_plus.planners.CachedSavePlanner` checks the result against DCP's own
+    flatten whenever it meets a structure it has not seen before.
+    """
+    if _dcp_version._derived_version == "2_3":
+        return None
+    flat: dict[str, Any] = {}
+    mappings: dict[str, tuple[str | int, ...]] = {}
+    entries: list[Entry] = []
+    add = entries.append
+    grad = torch.is_grad_enabled()
+    sharded = False
+    Tensor, Parameter, DT, leaves = _Tensor, _Parameter, DTensor, _LEAVES
+
+    def leaf(fqn: str, path: tuple[str | int, ...], v: Any) -> None:
+        nonlocal sharded
+        if fqn in flat:
+            raise ValueError(f"duplicated flatten key {fqn}")
+        flat[fqn] = v
+        mappings[fqn] = path
+        tv = type(v)
+        if tv is DT:
+            local = v._local_tensor
+            if type(local) is Tensor:
+                add(("D", path, v.shape, local.dtype, local.layout,
+                     (v if grad else local).requires_grad, local.is_pinned(),
+                     v.placements, v.device_mesh))
+                return
+        elif tv is Tensor or tv is Parameter:
+            add(("T", path, v.shape, v.dtype, v.layout, v.requires_grad, v.is_pinned()))
+            return
+        elif isinstance(v, ShardedTensor):
+            sharded = True
+        add(_entry(fqn, path, v, grad))
+
+    def walk(prefix: str, path: tuple[str | int, ...], items: Any, is_list: bool) -> None:
+        for k, v in items:
+            sk = k if type(k) is str else str(k)
+            p = (*path, k if is_list else sk)
+            tv = type(v)
+            if tv is dict or (tv not in leaves and isinstance(v, Mapping)):
+                walk(prefix + sk + ".", p, v.items(), False)
+            elif tv in leaves or not isinstance(v, list) or _is_terminal_list(v):
+                # hot path: inlined leaf() for plain DTensors and tensors
+                fqn = prefix + sk
+                if tv is DT:
+                    local = v._local_tensor
+                    if type(local) is Tensor and fqn not in flat:
+                        flat[fqn] = v
+                        mappings[fqn] = p
+                        add(("D", p, v.shape, local.dtype, local.layout,
+                             (v if grad else local).requires_grad, local.is_pinned(),
+                             v.placements, v.device_mesh))
+                        continue
+                leaf(fqn, p, v)
+            else:
+                walk(prefix + sk + ".", p, enumerate(v), True)
+
+    walk("", (), state_dict.items(), False)
+    return Flat(flat, mappings, entries, sharded)
+
+
+def _is_terminal_list(value: list[Any]) -> bool:
+    """DCP's ``_is_terminal`` for a list: no tensor, no mapping, no non-terminal list inside."""
+    for entry in value:
+        if isinstance(entry, Mapping):
+            return False
+        if isinstance(entry, list) and not _is_terminal_list(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    return (
+        tuple(mesh.mesh.shape),
+        tuple(mesh.mesh.flatten().tolist()),
+        mesh.mesh_dim_names,
+        mesh.get_coordinate(),
+    )
+
+
+def digest_entries(entries: list[Entry], context: tuple[Any, ...] = ()) -> bytes:
+    """A :data:`DIGEST_SIZE`-byte digest of ``entries`` (equal entries, equal digests).
+
+    Device meshes count by their ranks, dimension names and this rank's coordinate, which
+    (with the placements) determine the chunk offsets and sizes. Runs on a miss only.
+    """
+    meshes: dict[int, tuple[Any, ...]] = {}
+
+    def canonical(e: Entry) -> Entry:
+        if e[0] != "D":
+            return e
+        m = meshes.get(id(e[8]))
+        if m is None:
+            m = meshes[id(e[8])] = _mesh_key(e[8])
+        return (*e[:8], m)
+
+    return digest(repr((context, [canonical(e) for e in entries])))
 
 
 def structure_digest(
@@ -117,16 +229,7 @@ def structure_digest(
     Returns:
         A :data:`DIGEST_SIZE`-byte digest; equal digests mean equal local save plans.
     """
-    intern = _Interner()
-    parts: list[tuple[Any, ...]]
-    if mappings:
-        parts = [
-            (fqn, mappings.get(fqn), _value_key(fqn, obj, intern))
-            for fqn, obj in state_dict.items()
-        ]
-    else:
-        parts = [(fqn, _value_key(fqn, obj, intern)) for fqn, obj in state_dict.items()]
-    return digest(repr((context, list(intern.codes), parts)))
+    return digest_entries(structure_entries(state_dict, mappings), context)
 
 
 def writer_key(writer: Any) -> str:

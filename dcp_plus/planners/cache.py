@@ -217,6 +217,8 @@ class PlanCache:
         self.finals: LRU[bytes, tuple[SavePlan, Metadata]] = LRU(capacity)
         self.mirror: dict[int, LRU[bytes, SavePlan]] = {}
         self.globals: LRU[bytes, GlobalEntry] = LRU(capacity)
+        self.structures: list[tuple[list[Any], bytes]] = []
+        """(structure entries, their digest), most recently used first; local to this rank."""
         self.pending: Pending | None = None
         self.in_flight = False
         self.hits = 0
@@ -229,7 +231,26 @@ class PlanCache:
         self.finals.clear()
         self.mirror.clear()
         self.globals.clear()
+        self.structures.clear()
         self.pending = None
+
+    def structure_key(self, entries: list[Any]) -> bytes | None:
+        """The digest of a structure equal to ``entries`` seen before, or None.
+
+        Compares the lists themselves (C-level, mostly identity checks; lists of different
+        lengths differ at once), so no per-value hashing happens on a hit.
+        """
+        for i, (known, key) in enumerate(self.structures):
+            if known == entries:
+                if i:
+                    self.structures.insert(0, self.structures.pop(i))
+                return key
+        return None
+
+    def remember_structure(self, entries: list[Any], key: bytes) -> None:
+        """Record ``entries`` and their digest (at most ``capacity`` structures)."""
+        self.structures.insert(0, (entries, key))
+        del self.structures[self.capacity:]
 
     def mirror_of(self, rank: int) -> LRU[bytes, SavePlan]:
         """The coordinator's copy of what ``rank`` has sent."""

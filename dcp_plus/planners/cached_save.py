@@ -5,20 +5,31 @@ from __future__ import annotations
 import dataclasses
 import logging
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    STATE_DICT_TYPE,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+)
 from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.tensor import DTensor
 
 from dcp_plus.errors import PlanCacheError
 from dcp_plus.planners._fingerprint import (
+    Entry,
     digest,
+    digest_entries,
     find_save_context,
+    flatten_with_entries,
     group_key,
-    structure_digest,
+    structure_entries,
     writer_key,
 )
 from dcp_plus.planners.cache import (
@@ -39,7 +50,10 @@ from dcp_plus.planners.write_set import records_write_set, unwritten_tensor_fqns
 log = logging.getLogger(__name__)
 
 # Per-save state that must never travel into DCP's PROCESS-mode daemon.
-_TRANSIENT = ("state_dict", "plan", "global_plan", "metadata", "_cache", "_local_key")
+_TRANSIENT = (
+    "state_dict", "plan", "global_plan", "_metadata_ref", "_cache", "_local_key",
+    "_structure_key",
+)
 
 
 class CachedSavePlanner(DefaultSavePlanner):
@@ -86,6 +100,8 @@ class CachedSavePlanner(DefaultSavePlanner):
         self._cache_id = uuid.uuid4().hex
         self._cache: PlanCache = register(self._cache_id, cache_size, pin=False)
         self._local_key = b""
+        self._structure_key = b""
+        self._fast_flatten = True
 
     # -- pickling (DCP's PROCESS executor) -------------------------------------------------
 
@@ -97,10 +113,26 @@ class CachedSavePlanner(DefaultSavePlanner):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local_key = b""
+        self._structure_key = b""
         # In DCP's daemon this object lives for one save; its cache must live on.
         self._cache = register(self._cache_id, self.cache_size, pin=True)
 
     # -- introspection ---------------------------------------------------------------------
+
+    @property  # type: ignore[override]  # DCP's is a plain attribute, never None
+    def metadata(self) -> Metadata | None:
+        """The coordinator's ``Metadata`` of the save in flight, held weakly.
+
+        DCP and then the caller of ``dcp.save`` own it; a strong reference here would make
+        the next save's planning pay for freeing this one's write results (one object graph
+        per item, several milliseconds per 10,000 items).
+        """
+        ref = self.__dict__.get("_metadata_ref")
+        return None if ref is None else ref()
+
+    @metadata.setter
+    def metadata(self, md: Metadata | None) -> None:
+        self._metadata_ref = None if md is None else weakref.ref(md)
 
     @property
     def cache(self) -> PlanCache:
@@ -126,7 +158,10 @@ class CachedSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """Flatten ``state_dict`` as DCP does; drop the cache if the last planning failed."""
+        """Flatten ``state_dict`` as DCP does and fingerprint it, in one pass.
+
+        Also drops the cache if the last save's planning failed.
+        """
         cache = self._cache
         if cache.in_flight:
             log.warning(
@@ -137,7 +172,47 @@ class CachedSavePlanner(DefaultSavePlanner):
         cache.in_flight = True
         cache.pending = None
         set_active(cache)
+        self.is_coordinator = is_coordinator
+        flat = None
+        if self.flatten_state_dict and self._fast_flatten:
+            flat = flatten_with_entries(state_dict)
+        if flat is not None and not flat.has_sharded:
+            key = cache.structure_key(flat.entries)
+            if key is None:
+                # A structure not seen before: check the one-pass flatten against DCP's own,
+                # which stays the reference (this save replans anyway).
+                sd, mappings = flatten_state_dict(state_dict)
+                ours = flat.state_dict
+                if (
+                    list(sd) == list(ours)
+                    and mappings == flat.mappings
+                    and all(a is b for a, b in zip(sd.values(), ours.values(), strict=True))
+                ):
+                    key = self._structure_digest(flat.entries)
+                else:
+                    log.warning(
+                        "CachedSavePlanner's one-pass flatten differs from DCP's "
+                        "flatten_state_dict for this state dict; using DCP's from now on"
+                    )
+                    self._fast_flatten = False
+            if key is not None:
+                self.state_dict, self.mappings = flat.state_dict, flat.mappings
+                self._structure_key = key
+                return
+        # DCP's own flatten (and ShardedTensor flattening), then the entries in a second pass.
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        entries = structure_entries(
+            self.state_dict, self.mappings if self.flatten_state_dict else None
+        )
+        self._structure_key = self._structure_digest(entries)
+
+    def _structure_digest(self, entries: list[Entry]) -> bytes:
+        """The digest of ``entries``, from the cache when this structure was seen before."""
+        key = self._cache.structure_key(entries)
+        if key is None:
+            key = digest_entries(entries)
+            self._cache.remember_structure(entries, key)
+        return key
 
     def _context(self) -> tuple[Any, ...]:
         writer, dist_wrapper = find_save_context()
@@ -153,9 +228,7 @@ class CachedSavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self) -> SavePlan:
         """A ``HIT`` token if the coordinator already holds this structure's local plan."""
-        key = structure_digest(
-            self.state_dict, self.mappings if self.flatten_state_dict else None, self._context()
-        )
+        key = digest(repr(self._context()).encode() + self._structure_key)
         self._local_key = key
         self._cache.pending = Pending(local_key=key)
         if key in self._cache.seen:
@@ -267,3 +340,18 @@ class CachedSavePlanner(DefaultSavePlanner):
         cache.commit()
         self.plan = plan
         return plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """DCP's lookup, except that a plain DTensor that needs no grad gives its local tensor.
+
+        DCP returns ``DTensor.to_local()``: with grad mode on, an autograd function call that
+        returns a view of that same local tensor (about 4 us per item and save, on the
+        writer's critical path). Partial placements, tensor subclasses and DTensors that
+        require grad take DCP's path.
+        """
+        obj = self.state_dict.get(index.fqn)
+        if type(obj) is DTensor and not obj.requires_grad:
+            local = obj._local_tensor
+            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
+                return local
+        return super().lookup_object(index)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import pickle
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +13,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_plus.planners._fingerprint import structure_digest, writer_key
+from dcp_plus.planners import cached_save
+from dcp_plus.planners._fingerprint import (
+    Flat,
+    flatten_with_entries,
+    structure_digest,
+    structure_entries,
+    writer_key,
+)
 from dcp_plus.planners.cache import LRU, CachedMetadata
 from dcp_plus.planners.cached_save import CachedSavePlanner
 
@@ -66,6 +76,43 @@ def test_fingerprint_covers_key_paths_and_context() -> None:
     paths = {k: tuple(k.split(".")) for k in flat}
     assert structure_digest(flat, paths) != structure_digest(flat, {k: (k,) for k in flat})
     assert structure_digest(flat, context=(2,)) != structure_digest(flat, context=(4,))
+
+
+def _nested(case: int) -> dict[Any, Any]:
+    t, p = torch.ones(2), torch.nn.Parameter(torch.zeros(3))
+    return [
+        {"a": {"b": t, "c": 1, "p": p}, "d": [1, 2], "e": (t, 3), "s": "x"},
+        {"optim": {"state": {0: {"exp_avg": t, "step": torch.tensor(1.0)}},
+                   "param_groups": [{"lr": 0.1, "params": ["a.b", "a.p"]}]}},
+        {"l": [t, [t, 1], {"x": t}], "empty": {}, "n": None, 3: "int key", "b": b"raw"},
+        {"m": OrderedDict(a=t), "nested": [[1, 2], [3]], "mixed": [1, {"k": 2}], "z": [[t]]},
+    ][case]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_one_pass_flatten_matches_dcp_flatten(case: int) -> None:
+    sd = _nested(case)
+    flat = flatten_with_entries(sd)
+    assert flat is not None and not flat.has_sharded
+    ref, mappings = flatten_state_dict(sd)
+    assert list(flat.state_dict) == list(ref) and flat.mappings == mappings
+    assert all(a is b for a, b in zip(flat.state_dict.values(), ref.values(), strict=True))
+    assert flat.entries == structure_entries(ref, mappings)
+
+
+def test_one_pass_flatten_refuses_duplicate_keys_like_dcp() -> None:
+    sd = {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        flatten_state_dict(sd)
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        flatten_with_entries(sd)
+
+
+def test_nesting_is_part_of_the_structure() -> None:
+    a = flatten_with_entries({"a.b": torch.ones(1)})
+    b = flatten_with_entries({"a": {"b": torch.ones(1)}})
+    assert a is not None and b is not None
+    assert list(a.state_dict) == list(b.state_dict) and a.entries != b.entries
 
 
 def test_writer_key_ignores_paths_but_sees_type_and_settings(tmp_path: Path) -> None:
@@ -166,6 +213,52 @@ def test_a_save_that_fails_in_planning_drops_the_cache(tmp_path: Path) -> None:
     assert not planner.last_was_hit
     _save(sd, tmp_path / "4", planner, _FailOnce(tmp_path / "4"))
     assert planner.last_was_hit
+
+
+def test_a_hit_compares_the_structure_and_hashes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd, planner = _sd(50), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    hashed: list[int] = []
+    real = cached_save.digest_entries
+    monkeypatch.setattr(cached_save, "digest_entries",
+                        lambda *a: hashed.append(1) or real(*a))
+    _save(sd, tmp_path / "1", planner)
+    assert planner.last_was_hit and hashed == []
+    sd["model"]["w0"] = sd["model"]["w0"].double()
+    _save(sd, tmp_path / "2", planner)
+    assert not planner.last_was_hit and hashed == [1]
+
+
+def test_a_one_pass_flatten_that_disagrees_with_dcp_is_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = cached_save.flatten_with_entries
+
+    def reversed_order(state_dict: Any) -> Flat | None:
+        flat = real(state_dict)
+        assert flat is not None
+        flat.state_dict = dict(reversed(flat.state_dict.items()))
+        return flat
+
+    monkeypatch.setattr(cached_save, "flatten_with_entries", reversed_order)
+    sd, planner = _sd(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    assert not planner._fast_flatten
+    _save(sd, tmp_path / "1", planner)
+    assert planner.last_was_hit
+    out = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0}
+    dcp.load(out, checkpoint_id=str(tmp_path / "1"), no_dist=True)
+    assert all(torch.equal(out["model"][k], v) for k, v in sd["model"].items())
+
+
+def test_the_planner_does_not_keep_a_saves_metadata(tmp_path: Path) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    for i in range(2):
+        _save(sd, tmp_path / str(i), planner)
+        gc.collect()
+        assert planner.metadata is None
 
 
 def test_cache_size_must_be_positive() -> None:
