@@ -37,7 +37,7 @@ class StoreConfig:
         range_size: the largest single ranged GET; longer runs are split and read in parallel.
     """
 
-    part_size: int = 32 << 20
+    part_size: int = 16 << 20
     concurrency: int = 8
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     coalesce_gap: int = 1 << 20
@@ -74,17 +74,35 @@ class ObjectStore(Protocol):
     def close(self) -> None: ...
 
 
-def assemble(segments: Segments, starts: Sequence[int], start: int, end: int) -> bytearray:
-    """The object bytes ``[start, end)``: segment data, zeros between (``starts`` is sorted)."""
-    out = bytearray(end - start)
+_ZEROS = memoryview(bytes(1 << 16))
+
+
+def assemble(segments: Segments, starts: Sequence[int], start: int, end: int) -> bytes:
+    """The object bytes ``[start, end)``: segment data, zeros between (``starts`` is sorted).
+
+    One copy, straight into a new ``bytes``: no zero-filled buffer first, and HTTP clients
+    send ``bytes`` without copying them again (aiohttp slices a ``bytearray`` body).
+    """
+    pieces: list[memoryview] = []
+    pos = start
     i = max(0, bisect.bisect_right(starts, start) - 1)
     while i < len(segments) and segments[i][0] < end:
         off, data = segments[i]
-        a, b = max(off, start), min(off + len(data), end)
+        a, b = max(off, pos), min(off + len(data), end)
         if a < b:
-            out[a - start : b - start] = data[a - off : b - off]
+            _zeros(pieces, a - pos)
+            pieces.append(data[a - off : b - off])
+            pos = b
         i += 1
-    return out
+    _zeros(pieces, end - pos)
+    return b"".join(pieces)
+
+
+def _zeros(pieces: list[memoryview], n: int) -> None:
+    while n > 0:
+        take = min(n, len(_ZEROS))
+        pieces.append(_ZEROS[:take])
+        n -= take
 
 
 def part_bounds(total: int, part_size: int) -> list[tuple[int, int]]:
