@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
 from dcp_plus.format.objectio import (
     MIN_PART_SIZE,
+    ExtentFill,
+    RangeRequest,
     Segments,
     StoreConfig,
     assemble,
     part_bounds,
-    plan_ranges,
+    plan_requests,
 )
 from dcp_plus.format.retry import error_status, retry_async
 
@@ -30,8 +33,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
-    """Run ``coros`` concurrently; on the first failure cancel the rest and raise it."""
+async def gather_or_cancel(coros: Sequence[Awaitable[T]]) -> list[T]:
+    """Run ``coros`` (or tasks) concurrently; on the first failure cancel the rest, raise it."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     if not tasks:
         return []
@@ -46,6 +49,47 @@ async def gather_or_cancel(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
     return [t.result() for t in tasks]
+
+
+async def _read_into(body: Any, views: list[memoryview]) -> int:
+    """Fill consecutive ``views`` from a response body; returns the bytes filled (short only
+    at end of stream).
+
+    With aiohttp underneath, each network chunk is copied once, straight into the views
+    (``readinto`` would join the buffered chunks into a new ``bytes`` first).
+    """
+    content = getattr(getattr(body, "raw_stream", None), "content", None)
+    readchunk = getattr(content, "readchunk", None)
+    total = 0
+    if readchunk is None:
+        for view in views:
+            filled = 0
+            while filled < len(view):
+                n = await body.readinto(view[filled:])
+                if n == 0:
+                    return total + filled
+                filled += n
+            total += filled
+        return total
+    i, filled = 0, 0
+    while i < len(views):
+        data, end_of_http_chunk = await readchunk()
+        if not data:
+            if end_of_http_chunk:
+                continue
+            return total
+        chunk = memoryview(data)
+        pos = 0
+        while pos < len(chunk) and i < len(views):
+            view = views[i]
+            take = min(len(view) - filled, len(chunk) - pos)
+            view[filled : filled + take] = chunk[pos : pos + take]
+            pos += take
+            filled += take
+            total += take
+            if filled == len(view):
+                i, filled = i + 1, 0
+    return total
 
 
 def _is_missing(exc: BaseException) -> bool:
@@ -227,29 +271,76 @@ class S3Store:
                         self.location(name), e)
 
     def read(self, name: str, reads: Sequence[tuple[int, memoryview]]) -> None:
-        ranges = plan_ranges(reads, self.config.coalesce_gap, self.config.range_size)
+        """Fill each ``(offset, buffer)`` from object ``name``."""
+        self.read_extents([(name, off, len(v)) for off, v in reads],
+                          lambda k: reads[k][1], lambda k: None)
+
+    def read_extents(self, extents: Sequence[tuple[str, int, int]],
+                     open_extent: Callable[[int], memoryview], done: Callable[[int], None],
+                     executor: Executor | None = None) -> None:
+        requests = plan_requests(extents, self.config.coalesce_gap, self.config.range_size)
+        book = ExtentFill(requests, open_extent)
+
+        def deliver(ks: list[int]) -> None:
+            for k in ks:
+                done(k)
 
         async def run() -> None:
-            await gather_or_cancel([self._read_range(name, s, v) for s, v in ranges])
+            loop = asyncio.get_running_loop()
+            window = asyncio.Semaphore(self.config.concurrency)
+            tasks: list[asyncio.Future[None]] = []
+            failed: list[bool] = []
+
+            async def one(req: RangeRequest, views: list[memoryview]) -> None:
+                try:
+                    await self._read_range(req.name, req.start, views)
+                    finished = book.finished(req)
+                    if executor is None:
+                        deliver(finished)
+                    elif finished:  # checksums and delivery off the event loop
+                        await loop.run_in_executor(executor, deliver, finished)
+                finally:  # the slot covers delivery too: buffers never pile up
+                    window.release()
+
+            def note(task: asyncio.Future[None]) -> None:
+                if not task.cancelled() and task.exception() is not None:
+                    failed.append(True)
+
+            try:
+                for req in requests:
+                    await window.acquire()
+                    if failed:
+                        break
+                    task = asyncio.ensure_future(one(req, book.views(req)))
+                    task.add_done_callback(note)
+                    tasks.append(task)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            await gather_or_cancel(tasks)
         self._run(run)
 
     async def _read_range(self, name: str, start: int, views: list[memoryview]) -> None:
         end = start + sum(len(v) for v in views)
 
         async def get_range(client: Any, _: int) -> None:
-            resp = await client.get_object(Bucket=self.bucket, Key=self.key(name),
-                                           Range=f"bytes={start}-{end - 1}", **self.fs.req_kw)
+            try:
+                resp = await client.get_object(Bucket=self.bucket, Key=self.key(name),
+                                               Range=f"bytes={start}-{end - 1}",
+                                               **self.fs.req_kw)
+            except Exception as e:
+                status, code = error_status(e)
+                if status == 416 or code == "InvalidRange":  # the object ends before `start`
+                    raise EOFError(f"{self.location(name)}: object ends before byte {start}, "
+                                   f"needed up to {end}") from None
+                raise
             async with resp["Body"] as body:
-                pos = start
-                for view in views:  # network chunks land in the destination buffers
-                    filled = 0
-                    while filled < len(view):
-                        n = await body.readinto(view[filled:])
-                        if n == 0:
-                            raise EOFError(f"{self.location(name)}: object ends at byte "
-                                           f"{pos + filled}, before {end}")
-                        filled += n
-                    pos += len(view)
+                filled = await _read_into(body, views)
+            if filled < end - start:
+                raise EOFError(f"{self.location(name)}: object ends at byte {start + filled}, "
+                               f"before {end}")
         await self._request(f"GET {self.location(name)} bytes {start}..{end}", get_range)
 
     # -- housekeeping -----------------------------------------------------------------------

@@ -124,6 +124,15 @@ class ExtentReader(StorageReader):
         by_extent: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             by_extent[req.storage_index].append(req)
+        self._read_extents(by_extent, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_extents(self, by_extent: dict[MetadataIndex, list[ReadItem]],
+                      planner: LoadPlanner) -> None:
+        """Read, verify and deliver every extent of ``by_extent``: per data file, batches of
+        up to ``BATCH_BYTES`` filled by :meth:`_fill` on ``threads`` threads."""
         per_file: dict[str, list[MetadataIndex]] = defaultdict(list)
         for idx in by_extent:
             per_file[self._extent(idx).file].append(idx)
@@ -145,9 +154,6 @@ class ExtentReader(StorageReader):
                        for name, b in batches]
             for f in futures:
                 f.result()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     # -- shared machinery -------------------------------------------------------------------
 
@@ -166,9 +172,14 @@ class ExtentReader(StorageReader):
                           for i, (buf, _) in zip(batch, targets, strict=True)],
                    f"{describe(batch[0])} and {len(batch) - 1} more")
         for index, (buf, finish) in zip(batch, targets, strict=True):
-            if self.verify:
-                verify_checksum(buf, self._extent(index), describe(index), self.path)
-            finish()
+            self._deliver(index, buf, finish)
+
+    def _deliver(self, index: MetadataIndex, buf: memoryview,
+                 finish: Callable[[], None]) -> None:
+        """Check a filled extent's checksum (unless ``verify=False``), then deliver it."""
+        if self.verify:
+            verify_checksum(buf, self._extent(index), describe(index), self.path)
+        finish()
 
     def _destination(self, index: MetadataIndex, reqs: list[ReadItem],
                      planner: LoadPlanner) -> tuple[memoryview, Callable[[], None]]:

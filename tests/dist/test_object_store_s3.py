@@ -257,3 +257,43 @@ def test_checkpoint_manager_on_s3_commits_retains_and_resumes(seaweed: SeaweedSe
     with CheckpointManager(root, storage_options=seaweed.storage_options()) as m:
         assert m.load_latest(out) == 3
     assert_bit_exact(states[3], out)
+
+
+def test_object_shrinking_or_server_failing_during_load_is_reported(seaweed: SeaweedServer,
+                                                                    prefix: str) -> None:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from dcp_plus import CorruptCheckpointError, StorageError
+
+    proxy = FaultProxy(("127.0.0.1", seaweed.port))
+    try:
+        opts = seaweed.storage_options(proxy.endpoint, **NO_BOTO_RETRY)
+        sd = {"w": torch.randn(3 * MiB)}  # 12 MiB: 3 ranged GETs of 4 MiB
+        url = f"s3://{BUCKET}/{prefix}"
+        dcp.save(sd, storage_writer=ObjectStoreWriter(url, opts, part_size=5 * MiB))
+        (name,) = [n for n in keys(seaweed, prefix) if n.endswith(".dcpp")]
+
+        def reader_ready() -> tuple[ObjectStoreReader, Any, Any]:
+            reader = ObjectStoreReader(url, opts, range_size=4 * MiB, max_retries=1,
+                                       retry_base_delay=0.01)
+            md = reader.read_metadata()
+            reader.set_up_storage_reader(md, True)  # sizes checked here
+            planner = DefaultLoadPlanner()
+            planner.set_up_planner({"w": torch.zeros(3 * MiB)}, md, True)
+            return reader, planner, planner.create_local_plan()
+
+        reader, planner, plan = reader_ready()
+        proxy.set_down(True)
+        with pytest.raises(StorageError, match=r"GET .*bytes .*failed after 2 attempt"):
+            reader.read_data(plan, planner)
+        proxy.set_down(False)
+
+        reader, planner, plan = reader_ready()
+        client = s3_client(seaweed)
+        body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/{name}")["Body"].read()
+        client.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=body[:5 * MiB])
+        with pytest.raises(CorruptCheckpointError, match="truncated object") as e:
+            reader.read_data(plan, planner)
+        assert name in str(e.value)
+    finally:
+        proxy.close()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import pickle
+import threading
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import fsspec
@@ -19,7 +22,14 @@ from dcp_plus import (
     StorageError,
 )
 from dcp_plus.format.codecs import ZstdCodec, get_codec
-from dcp_plus.format.objectio import assemble, part_bounds, plan_ranges
+from dcp_plus.format.objectio import (
+    ExtentFill,
+    StoreConfig,
+    assemble,
+    open_store,
+    part_bounds,
+    plan_requests,
+)
 from dcp_plus.format.retry import RetryPolicy, is_retryable, retry_sync
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -165,15 +175,45 @@ def test_validate_checkpoint_id_takes_urls_only() -> None:
     assert not ObjectStoreWriter.validate_checkpoint_id("/local/dir")
 
 
-def test_plan_ranges_coalesces_close_reads_and_splits_long_runs() -> None:
-    bufs = [memoryview(bytearray(n)) for n in (10, 20, 30)]
-    ranges = plan_ranges([(100, bufs[1]), (0, bufs[0]), (1000, bufs[2])], gap=100, max_len=16)
-    # 0..10 and 100..120 coalesce (gap 90 <= 100) into 0..120, cut at 16 bytes; 1000.. alone
-    starts = [s for s, _ in ranges]
-    assert starts == [0, 16, 32, 48, 64, 80, 96, 112, 1000, 1016]
-    for _, views in ranges:
-        assert sum(len(v) for v in views) <= 16
-    assert sum(sum(len(v) for v in views) for s, views in ranges if s < 1000) == 120
+def test_plan_requests_coalesce_close_extents_and_cut_at_range_multiples() -> None:
+    extents = [("o", 100, 20), ("o", 0, 10), ("o", 1000, 30), ("p", 5, 3), ("o", 50, 0)]
+    reqs = plan_requests(extents, gap=100, max_len=16)
+    # o: 0..10 and 100..120 coalesce (gap 90 <= 100) into 0..120; 1000..1030 alone; both cut
+    # at the multiples of 16, so that no request straddles an uploaded part's boundary;
+    # then p; the empty extent gets no request
+    assert [(r.name, r.start) for r in reqs] == [
+        ("o", s) for s in (0, 16, 32, 48, 64, 80, 96, 112, 1000, 1008, 1024)] + [("p", 5)]
+    for r in reqs:
+        assert r.length <= 16 and r.start // 16 == (r.start + r.length - 1) // 16
+    assert reqs[0].pieces == [(1, 0, 10), (-1, 0, 6)]
+    assert reqs[6].pieces == [(-1, 86, 90), (0, 0, 12)]  # bytes 96..112
+    assert [p for r in reqs if r.name == "o" and r.start >= 1000 for p in r.pieces] == [
+        (2, 0, 8), (2, 8, 24), (2, 24, 30)]
+    # every extent byte is covered exactly once, in order
+    for k, (name, _, length) in enumerate(extents):
+        got = [(lo, hi) for r in reqs if r.name == name for kk, lo, hi in r.pieces if kk == k]
+        assert sum(hi - lo for lo, hi in got) == length
+        assert all(a[1] == b[0] for a, b in zip(got, got[1:], strict=False))
+
+
+def test_extent_fill_opens_lazily_and_reports_each_extent_once() -> None:
+    extents = [("o", 0, 40), ("o", 40, 8), ("o", 64, 4)]
+    reqs = plan_requests(extents, gap=100, max_len=32)  # 0..32, 32..64, 64..68
+    opened: list[int] = []
+    bufs = {k: memoryview(bytearray(n)) for k, (_, _, n) in enumerate(extents)}
+
+    def open_extent(k: int) -> memoryview:
+        opened.append(k)
+        return bufs[k]
+    book = ExtentFill(reqs, open_extent)
+    views = [book.views(r) for r in reqs[:1]]
+    assert opened == [0] and [len(v) for v in views[0]] == [32]
+    views.append(book.views(reqs[1]))
+    assert opened == [0, 1] and [len(v) for v in views[1]] == [8, 8, 16]  # 16 = gap
+    assert book.finished(reqs[0]) == []
+    assert book.finished(reqs[1]) == [0, 1]
+    book.views(reqs[2])
+    assert book.finished(reqs[2]) == [2]
 
 
 def test_assemble_and_part_bounds_rebuild_the_object_image() -> None:
@@ -295,3 +335,67 @@ def test_every_dtype_and_layout_round_trips_bit_exact(url: str, codec: str) -> N
 def test_single_process_without_collectives_is_refused(url: str) -> None:
     with pytest.raises(BaseException, match="needs use_collectives=True"):
         ObjectStoreWriter(url).set_up_storage_writer(True, rank=0, use_collectives=False)
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(2) as p:
+        yield p
+
+
+def _extent_store(url: str, **config: Any) -> Any:
+    return open_store(url, None, StoreConfig(**config))
+
+
+def test_read_extents_bounds_open_buffers_and_delivers_each_extent_once(
+        url: str, pool: ThreadPoolExecutor) -> None:
+    store = _extent_store(url, concurrency=2, range_size=20, coalesce_gap=0)
+    data = bytes(range(200)) * 5  # 1000 bytes
+    store.put("obj", data, if_absent=False)
+    extents = [("obj", 10 * k, 10) for k in range(100)] + [("obj", 0, 0)]
+    bufs: dict[int, bytearray] = {}
+    lock = threading.Lock()
+    live: set[int] = set()
+    peak, done_calls = [0], []
+
+    def open_extent(k: int) -> memoryview:
+        with lock:
+            bufs[k] = bytearray(10)
+            live.add(k)
+            peak[0] = max(peak[0], len(live))
+        return memoryview(bufs[k])
+
+    def done(k: int) -> None:
+        with lock:
+            live.discard(k)
+            done_calls.append(k)
+    store.read_extents(extents, open_extent, done, pool)
+    assert sorted(done_calls) == list(range(100))  # each once; the empty one not at all
+    assert all(bytes(bufs[k]) == data[10 * k : 10 * k + 10] for k in range(100))
+    # buffers exist only for the requests in flight or being delivered (2 x 2 extents),
+    # and for the one being opened
+    assert peak[0] <= 6
+
+
+def test_read_extents_raises_the_first_failure_and_stops(
+        url: str, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = _extent_store(url, concurrency=2, range_size=10, coalesce_gap=0)
+    store.put("obj", bytes(1000), if_absent=False)
+    is_retryable(PermissionError())  # its first call imports the HTTP stacks: slow
+    calls = []
+    real = store.fs.cat_file
+
+    def cat_file(path: str, start: int, end: int) -> bytes:
+        calls.append(start)
+        if start == 30:
+            raise PermissionError("denied")  # not retryable
+        return real(path, start, end)
+    monkeypatch.setattr(store.fs, "cat_file", cat_file)  # fsspec shares the instance
+    with pytest.raises(PermissionError, match="denied"):
+        store.read_extents([("obj", 10 * k, 10) for k in range(100)],
+                           lambda k: memoryview(bytearray(10)), lambda k: None, pool)
+    assert len(calls) < 10  # the remaining requests were not sent
+    # an object that ends before an extent does
+    with pytest.raises(EOFError, match="ends"):
+        store.read_extents([("obj", 990, 20)], lambda k: memoryview(bytearray(20)),
+                           lambda k: None, pool)
