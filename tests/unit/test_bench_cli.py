@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 
@@ -22,10 +21,8 @@ def _finite(v: object) -> bool:
 
 def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    t0 = time.perf_counter()
     rc = main(["bench", "--quick", "--size", "64MiB", "--target", str(tmp_path / "disk"),
                "--saves", "2", "--timeline-steps", "12", "--json", str(out), "--plot", str(png)])
-    wall = time.perf_counter() - t0
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     res = json.loads(out.read_text())
@@ -56,7 +53,6 @@ def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capsys
     else:
         assert not png.exists() and "matplotlib is not installed" in captured.err
     assert not list((tmp_path / "disk").iterdir()), "the run left checkpoints behind"
-    assert wall < 60, f"the quick 64MiB run took {wall:.0f} s"
 
 
 def test_bad_size_exits_2_with_a_message(capsys):
