@@ -28,7 +28,8 @@ Methods, every one saving and loading the same bytes, one process (one rank):
 
 Every repeat runs every method (save, then load into a pre-faulted destination zeroed
 beforehand, then a bit-exact check, then delete), in an order rotated per repeat; before
-each timed step it waits until the server is idle and other processes use under
+each timed step it runs a full garbage collection (so that no step pays for another's
+garbage), waits until the server is idle and other processes use under
 ``--max-foreign`` cores, and records the load average (ours included: the server's and the
 client's threads) and the CPU other processes used during the step, and after
 each repeat it deletes everything and has SeaweedFS vacuum (reclaim) its volumes. Ratios
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import statistics
@@ -275,6 +277,10 @@ class Bench:
         return r
 
     def _timed(self, fn: Callable[[], Any]) -> dict[str, float]:
+        # every step starts with no garbage left by the previous ones: a full collection of
+        # this process (~250k objects: torch & co.) takes 0.15-0.2 s here and would land in
+        # whichever step happens to cross the threshold
+        gc.collect()
         waited = self.server.wait_idle(self.a.wait_s, self.a.max_foreign)
         l1 = load1()
         s0, c0 = self.server.cpu_s(), time.process_time()
