@@ -156,9 +156,10 @@ def plan_requests(extents: Sequence[tuple[str, int, int]], gap: int,
 
     Neighbours at most ``gap`` bytes apart share a request; runs are cut at the multiples of
     ``max_len`` (object offsets), so no request is longer than ``max_len`` and none
-    straddles a ``max_len`` boundary: with the writer's part size a multiple of
-    ``max_len``, every request lies inside one uploaded part (a request across two parts
-    costs SeaweedFS a second chunk read; on the dev VM 10-20 % more server CPU per load).
+    straddles a ``max_len`` boundary: with ``max_len`` a multiple or a divisor of the
+    writer's part size, a request covers whole uploaded parts or lies inside one, never the
+    tail of one part and the head of the next (which costs SeaweedFS partial reads of two
+    chunks: 10-20 % more server CPU per load on the dev VM).
     """
     by_name: dict[str, list[int]] = {}
     for k, (name, _, length) in enumerate(extents):
