@@ -216,9 +216,27 @@ def _order(c: dict[str, Any]) -> tuple[Any, ...]:
     return (c["ranks"], c["tensors"], c["placement"])
 
 
+def merge(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per configuration: planners of the same configuration run separately
+    (e.g. DCP's default planner alone, where the full interleaved set is too long for one
+    run) are put together."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for c in configs:
+        m = out.get(_order(c))
+        if m is None:
+            out[_order(c)] = {**c, "results": dict(c["results"])}
+            continue
+        m["results"].update(c["results"])
+        m["load_before"] = min(m["load_before"], c["load_before"])
+        m["load_after"] = max(m["load_after"], c["load_after"])
+        cores = [x for x in (m["foreign_cores"], c["foreign_cores"]) if x is not None]
+        m["foreign_cores"] = max(cores) if cores else None
+    return sorted(out.values(), key=_order)
+
+
 def report(configs: list[dict[str, Any]]) -> list[str]:
     """Markdown tables: per planner, criteria (ratios), hit bytes vs tensor count."""
-    configs = sorted(configs, key=_order)
+    configs = merge(configs)
     lines = ["### Per planner", "",
              "Plan step in ms, whole save in s: save 1 (a miss for every planner), then the "
              "median (min–max) of saves 2..N. Bytes: the largest payload one rank put into "
@@ -227,7 +245,7 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
              "| plan gather B | plan scatter B | write gather B | md bcast B |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in configs:
-        for name, rows in c["results"].items():
+        for name, rows in sorted(c["results"].items(), key=lambda kv: PLANNERS.index(kv[0])):
             hits = [r["hit"] for r in rows[1:]]
             hit_s = "–" if any(h is None for h in hits) else f"{sum(hits)}/{len(hits)}"
             b = {k: max(r["bytes"][k] for r in (rows[1:] or rows)) for k in PHASES}
@@ -239,10 +257,11 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
     lines += ["", "### Criteria (saves 2..N, medians)", "",
               f"Targets: plan step <= {PLAN_TARGET}x and whole save <= {SAVE_TARGET}x "
               "DCP's cached planner, both with the stock `FileSystemWriter`.", "",
-              "| config | load avg | plan: ours / DCP cached | save: ours / DCP cached "
+              "| config | load avg | other procs (cores) | plan: ours / DCP cached "
+              "| save: ours / DCP cached "
               "| plan: ours / DCP default | save: ours / DCP default "
               "| save: ours + LocalWriter / DCP cached |",
-              "|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|"]
     for c in configs:
         r = c["results"]
         if "cached_save" not in r or "dcp_cached" not in r:
@@ -262,6 +281,7 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
             local = ratio("dcp_cached", "save_s", mine=mine)
         lines.append(
             f"| {_cfg_name(c)} | {c['load_before']:.2f}–{c['load_after']:.2f} "
+            f"| {'?' if c['foreign_cores'] is None else format(c['foreign_cores'], '.2f')} "
             f"| {ratio('dcp_cached', 'plan_s', PLAN_TARGET)} "
             f"| {ratio('dcp_cached', 'save_s', SAVE_TARGET)} "
             f"| {ratio('dcp_default', 'plan_s')} | {ratio('dcp_default', 'save_s')} | {local} |")
