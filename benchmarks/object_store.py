@@ -386,7 +386,7 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated: plain (required: the ratios' base), pipe, stock, ours")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--part-mib", type=int, default=16,
+    p.add_argument("--part-mib", type=int, default=32,
                    help="multipart part size, ours and plain (ObjectStoreWriter's default)")
     p.add_argument("--range-mib", type=int, default=None,
                    help="ObjectStoreReader range_size (default: the reader's, 32 MiB)")

@@ -38,7 +38,7 @@ class StoreConfig:
         range_size: the largest single ranged GET; longer runs are split and read in parallel.
     """
 
-    part_size: int = 16 << 20
+    part_size: int = 32 << 20
     concurrency: int = 8
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     coalesce_gap: int = 1 << 20

@@ -40,7 +40,7 @@ class ObjectStoreReader(ExtentReader):
         threads: extents verified and delivered in parallel (while the next GETs run).
         coalesce_gap: extents at most this many bytes apart share a request.
         range_size: the largest single ranged GET; GETs are cut at its multiples, so keep it
-            a multiple or a divisor of the writer's part_size (defaults: 32 and 16 MiB).
+            a multiple or a divisor of the writer's part_size (both default to 32 MiB).
         max_retries, retry_base_delay, retry_max_delay: as for ``ObjectStoreWriter``.
         allow_pickle: also load checkpoints written by stock ``FsspecWriter`` (pickled
             ``.metadata``: only for checkpoints you trust).

@@ -63,7 +63,7 @@ class ObjectStoreWriter(CommittingWriter):
     _transient = ("_store_obj",)  # the store reconnects in DCP's PROCESS-mode daemon
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None, *,
-                 overwrite: bool = False, part_size: int = 16 << 20, concurrency: int = 8,
+                 overwrite: bool = False, part_size: int = 32 << 20, concurrency: int = 8,
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None) -> None:
