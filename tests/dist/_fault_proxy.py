@@ -6,6 +6,9 @@ requests) or answers ``503 SlowDown`` itself (``error_fraction``); other request
 to the server untouched. Faults are spread evenly over the request sequence (deterministic,
 so a test always sees both kinds and never a long run of failures). ``set_down(True)`` closes the listening
 socket (connection refused, as for a server that is down) until ``set_down(False)``.
+``hold(marker)`` parks every later request whose head contains ``marker`` (``held`` is set
+when the first one is parked) until ``release()``: a client provably in the middle of an
+upload, for a test to kill.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ class FaultProxy:
         self.port = 0
         self._listener: socket.socket | None = None
         self._threads: list[threading.Thread] = []
+        self._hold_marker: bytes | None = None
+        self._released = threading.Event()
+        self.held = threading.Event()
         self._listen()
 
     @property
@@ -62,7 +68,19 @@ class FaultProxy:
         elif not down and self._listener is None:
             self._listen()
 
+    def hold(self, marker: bytes) -> None:
+        """Park the requests whose head contains ``marker`` from now on (see the module doc)."""
+        self._released.clear()
+        self.held.clear()
+        self._hold_marker = marker
+
+    def release(self) -> None:
+        """Forward the parked requests and stop holding."""
+        self._hold_marker = None
+        self._released.set()
+
     def close(self) -> None:
+        self.release()
         self.set_down(True)
 
     def _accept(self, listener: socket.socket) -> None:
@@ -91,6 +109,10 @@ class FaultProxy:
             if head is None:
                 client.close()
                 return
+            marker = self._hold_marker
+            if marker is not None and marker in head:
+                self.held.set()
+                self._released.wait()
             action = self._decide()
             if action == "reset":
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,7 +19,9 @@ from dcp_plus import (
     ObjectStoreWriter,
     SafeLoadPlanner,
 )
+from tests.conftest import ROOT, child_env, wait_until
 from tests.dist._fault_proxy import FaultProxy
+from tests.dist._s3_kill_child import v_state
 from tests.dist._seaweed import BUCKET, SeaweedServer
 
 pytestmark = [pytest.mark.timeout(180),
@@ -199,6 +205,45 @@ def test_server_down_fails_save_clearly_and_earlier_checkpoint_loads(
         assert torch.equal(out["w"], earlier["w"])
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("target", ["new_prefix", "overwrite"])
+def test_trainer_killed_mid_upload_keeps_last_checkpoint(seaweed: SeaweedServer, prefix: str,
+                                                         tmp_path: Path, target: str) -> None:
+    """Invariant 3 on S3: SIGKILL while a part of the next save is in flight (held by the
+    proxy, so the kill provably lands mid-upload) costs nothing committed."""
+    proxy = FaultProxy(("127.0.0.1", seaweed.port))
+    old = f"s3://{BUCKET}/{prefix}/step_1"
+    new = old if target == "overwrite" else f"s3://{BUCKET}/{prefix}/step_2"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    opts = seaweed.storage_options(proxy.endpoint)
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.dist._s3_kill_child", json.dumps(opts), old, new,
+         str(ready), str(go)], cwd=ROOT, env=child_env(), stdin=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: ready.exists() or child.poll() is not None, 120, "v1 committed")
+        assert child.poll() is None, f"child exited {child.returncode} before v2"
+        proxy.hold(b"partNumber=")
+        go.touch()
+        assert proxy.held.wait(60), "v2's upload never reached the proxy"
+        child.kill()
+        assert child.wait(30) == -9
+    finally:
+        if child.poll() is None:
+            child.kill()
+        proxy.close()
+    assert not Path(str(ready) + ".finished").exists()
+    direct = seaweed.storage_options()
+    v1 = v_state(1)
+    out = {"big": torch.zeros_like(v1["big"]), "small": torch.zeros_like(v1["small"]),
+           "step": 0}
+    dcp.load(out, storage_reader=ObjectStoreReader(old, direct), planner=SafeLoadPlanner())
+    assert torch.equal(out["big"], v1["big"]) and torch.equal(out["small"], v1["small"])
+    assert out["step"] == 1
+    if target == "new_prefix":
+        assert ".metadata" not in keys(seaweed, f"{prefix}/step_2")
+        with pytest.raises(BaseException, match=r"step_2: no commit record"):
+            dcp.load(out, storage_reader=ObjectStoreReader(new, direct))
 
 
 def test_wrong_secret_fails_without_retrying(seaweed: SeaweedServer, prefix: str) -> None:

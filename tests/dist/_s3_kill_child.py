@@ -1,0 +1,50 @@
+"""Child process of the S3 kill test: commits v1, then is SIGKILLed uploading v2.
+
+Usage: ``python -m tests.dist._s3_kill_child OPTS_JSON OLD_URL NEW_URL READY GO``. After v1
+is committed to OLD_URL it creates READY and waits for GO before saving v2 into NEW_URL
+(``overwrite=True``; NEW_URL may equal OLD_URL). It creates READY + ".finished" if that save
+ever completes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+PART = 5 * MiB
+
+
+def v_state(seed: int) -> dict[str, Any]:
+    """A state dict whose big tensor is a multipart upload of several parts."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"big": torch.randn(4 * MiB, generator=g),  # 16 MiB: 4 parts of 5 MiB
+            "small": torch.randn(100, 7, generator=g), "step": seed}
+
+
+def main(opts_json: str, old: str, new: str, ready: str, go: str) -> int:
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_plus import ObjectStoreWriter
+
+    opts = json.loads(opts_json)
+    dcp.save(v_state(1), storage_writer=ObjectStoreWriter(old, opts, part_size=PART))
+    Path(ready).touch()
+    deadline = time.monotonic() + 120
+    while not Path(go).exists():
+        if time.monotonic() > deadline:
+            return 3
+        time.sleep(0.01)
+    dcp.save(v_state(2), storage_writer=ObjectStoreWriter(new, opts, part_size=PART,
+                                                          overwrite=True))
+    Path(ready + ".finished").touch()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:6]))
