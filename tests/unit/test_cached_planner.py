@@ -166,6 +166,28 @@ def test_dtype_switch_replans_and_the_record_says_bfloat16(tmp_path: Path) -> No
     assert md.state_dict_metadata["model.w0"].properties.dtype == torch.bfloat16
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (page-locked memory)")
+def test_pinning_a_tensor_replans_and_the_record_says_pinned(tmp_path: Path) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    sd["model"]["w1"] = sd["model"]["w1"].pin_memory()
+    _save(sd, tmp_path / "1", planner)
+    assert not planner.last_was_hit
+    md = FileSystemReader(tmp_path / "1").read_metadata()
+    assert md.state_dict_metadata["model.w1"].properties.pin_memory
+    assert not md.state_dict_metadata["model.w0"].properties.pin_memory
+
+
+def test_without_an_accelerator_no_tensor_is_pinned_so_none_is_asked() -> None:
+    from dcp_plus.planners._fingerprint import pinning_possible
+
+    assert pinning_possible() == torch.accelerator.is_available()
+    if not pinning_possible():
+        with pytest.raises(RuntimeError):  # pinning needs an accelerator
+            torch.zeros(4).pin_memory()
+
+
 def test_two_planners_never_share_entries(tmp_path: Path) -> None:
     sd, first, second = _sd(), CachedSavePlanner(), CachedSavePlanner()
     _save(sd, tmp_path / "0", first)
