@@ -141,7 +141,9 @@ def _open_direct(path: str) -> int | None:
         raise
 
 
-def main(fd: int) -> None:
+def main(fd: int, nice: int = 0) -> None:
+    if nice:
+        os.nice(nice)
     parent = os.getppid()
     conn = Connection(fd)
     maps = _Mappings()
@@ -165,4 +167,4 @@ def main(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)

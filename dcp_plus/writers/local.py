@@ -25,7 +25,7 @@ from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
-from dcp_plus.writers.pool import shared_pool, shutdown_pool
+from dcp_plus.writers.pool import DEFAULT_NICE, shared_pool, shutdown_pool
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ class LocalWriter(CommittingWriter):
         direct_io: write stager-slab data with ``O_DIRECT`` (no page-cache copy: less CPU
             taken from training and faster durable saves); ignored where the file system
             refuses it (tmpfs), and only slab-backed data is written this way.
+        worker_nice: CPU niceness of the worker processes (0-19, default 10), so that a
+            persist running beside training yields the cores to the training step.
         codec, codecs: how tensors are stored (default ``"identity"``; ``"zstd"``,
             ``"zstd+shuffle"`` or a ``ZstdCodec``), and per-name overrides
             ``{fnmatch pattern: codec}``. Encoded tensors are written by this process's
@@ -59,7 +61,7 @@ class LocalWriter(CommittingWriter):
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, workers: int = 2,
                  threads: int = 2, fsync: bool = True, direct_io: bool = True,
-                 codec: str | Codec = "identity",
+                 worker_nice: int = DEFAULT_NICE, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None) -> None:
         super().__init__()
         self.path = os.fspath(path)
@@ -68,6 +70,9 @@ class LocalWriter(CommittingWriter):
         self.threads = threads
         self.fsync = fsync
         self.direct_io = direct_io
+        if not 0 <= worker_nice <= 19:
+            raise ValueError(f"LocalWriter worker_nice must be in 0..19, got {worker_nice}")
+        self.worker_nice = worker_nice
         self.codecs = CodecChoice(codec, codecs)
         self.save_id = new_save_id()
         self.rank = 0
@@ -116,7 +121,7 @@ class LocalWriter(CommittingWriter):
             pending = [self._io.submit(self._write_local, fp) for fp in local_files]
         if slab_files:
             jobs, order = self._slab_jobs(slab_files)
-            for ids, job_sums in zip(order, shared_pool(self.workers).run(jobs), strict=True):
+            for ids, job_sums in zip(order, shared_pool(self.workers, self.worker_nice).run(jobs), strict=True):
                 sums.update(zip(ids, job_sums, strict=True))
         for f in pending:
             sums.update(f.result())

@@ -23,15 +23,20 @@ from dcp_plus.errors import ClosedError, WorkerError
 
 log = logging.getLogger(__name__)
 
+DEFAULT_NICE = 10
+"""Workers' CPU niceness: persisting is background work, so on a machine whose cores the
+training step keeps busy the workers take CPU from it only when it leaves some (2-core dev
+VM, 1.2 GB every 5 steps: step overhead +8-10 % instead of +16-18 % at niceness 0)."""
+
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, nice: int) -> None:
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dcp_plus._worker", str(theirs.fileno())],
+            [sys.executable, "-m", "dcp_plus._worker", str(theirs.fileno()), str(nice)],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             start_new_session=False,
         )
@@ -77,19 +82,23 @@ class WorkerPool:
 
     Args:
         size: number of worker processes (each writes one job at a time).
+        nice: added to the workers' CPU niceness (0 to 19; see :data:`DEFAULT_NICE`).
     """
 
-    def __init__(self, size: int = 2) -> None:
+    def __init__(self, size: int = 2, nice: int = DEFAULT_NICE) -> None:
         if size < 1:
             raise ValueError(f"WorkerPool size must be >= 1, got {size}")
+        if not 0 <= nice <= 19:
+            raise ValueError(f"WorkerPool nice must be in 0..19, got {nice}")
         self.size = size
+        self.nice = nice
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._closed = False
         self._threads = ThreadPoolExecutor(max_workers=size, thread_name_prefix="dcpp-pool")
         for _ in range(size):
-            w = _Worker()
+            w = _Worker(nice)
             self._workers.append(w)
             self._idle.put(w)
 
@@ -103,7 +112,7 @@ class WorkerPool:
         if w.alive():
             return w
         with self._lock:
-            fresh = _Worker()
+            fresh = _Worker(self.nice)
             self._workers[self._workers.index(w)] = fresh
         log.warning("replaced dead writer worker pid %d with pid %d", w.pid, fresh.pid)
         return fresh
@@ -144,14 +153,14 @@ _shared: WorkerPool | None = None
 _shared_lock = threading.Lock()
 
 
-def shared_pool(size: int) -> WorkerPool:
-    """The process-wide pool, (re)started with ``size`` workers on first use."""
+def shared_pool(size: int, nice: int = DEFAULT_NICE) -> WorkerPool:
+    """The process-wide pool, (re)started with ``size`` workers at ``nice`` on first use."""
     global _shared
     with _shared_lock:
-        if _shared is None or _shared._closed or _shared.size != size:
+        if _shared is None or _shared._closed or (_shared.size, _shared.nice) != (size, nice):
             if _shared is not None:
                 _shared.close()
-            _shared = WorkerPool(size)
+            _shared = WorkerPool(size, nice)
         return _shared
 
 

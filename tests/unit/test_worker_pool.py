@@ -138,6 +138,30 @@ def test_pool_size_must_be_positive():
         WorkerPool(0)
 
 
+def _niceness(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+
+
+def test_workers_run_at_the_writers_niceness_and_a_new_one_restarts_them(tmp_path, slab):
+    sd, _ = slab_state_dict(slab)
+    base = os.nice(0)
+    save(sd, tmp_path / "default")
+    assert [_niceness(p) for p in worker_pids()] == [min(19, base + 10)] * 2
+    save(sd, tmp_path / "zero", worker_nice=0)
+    assert [_niceness(p) for p in worker_pids()] == [base] * 2
+    assert_bit_exact(sd, load(load_target(clone_state(sd)), tmp_path / "zero"))
+
+
+def test_worker_niceness_out_of_range_is_refused(tmp_path):
+    from dcp_plus import LocalWriter
+
+    with pytest.raises(ValueError, match="worker_nice must be in 0..19, got 20"):
+        LocalWriter(tmp_path, worker_nice=20)
+    with pytest.raises(ValueError, match="nice must be in 0..19, got -1"):
+        WorkerPool(1, nice=-1)
+
+
 def test_coalesce_merges_only_ranges_adjacent_in_both_slab_and_file():
     ranges = [
         ("s", 10, 10, 5),       # follows the next one (unsorted input)
