@@ -399,7 +399,7 @@ def part_b(
         guard = stager.guard(opt) if isinstance(stager, ArenaStager) else None
         try:
             run(1, stager, writer, kind, guard is not None, nsteps=2)
-        except Exception as e:
+        except (Exception, torch.distributed.checkpoint.api.CheckpointException) as e:
             print(f"| {name} | {wname} | {kind.value} | warm-up failed: {e!r:.80} |", flush=True)
             continue
         cells = []
