@@ -25,6 +25,9 @@ Methods, every one saving and loading the same bytes, one process (one rank):
 - ``stock``: ``FsspecWriter(thread_count=concurrency, sync_files=False)`` / ``FsspecReader``.
 - ``ours``: ``ObjectStoreWriter(part_size, concurrency)`` / ``ObjectStoreReader(concurrency)``
   (``range_size`` its default unless ``--range-mib``), checksums on.
+- ``slab`` (optional): ``ours`` on a snapshot in ``ArenaStager`` slabs (taken untimed), which
+  the writer's worker processes checksum and upload; client CPU then counts only the
+  trainer process, not the workers.
 
 Every repeat runs every method (save, then load into a pre-faulted destination zeroed
 beforehand, then a bit-exact check, then delete), in an order rotated per repeat; before
@@ -252,12 +255,31 @@ class Bench:
         r.update(inner)
         return r
 
-    def ours_load(self, case: Case, base: str) -> dict[str, float]:
+    def slab_save(self, case: Case, base: str) -> dict[str, float]:
+        from dcp_plus import ObjectStoreWriter
+        from dcp_plus.stagers import ArenaStager
+
+        stager = ArenaStager()
+        staged = [stager.stage(case.sd).result()]  # not timed: the snapshot, as async_save's
+        w = ObjectStoreWriter(f"{base}/slab", self.opts, part_size=self.part,
+                              concurrency=self.conc, codec=self.a.codec)
+        try:
+            r = self._timed(lambda: dcp.save(staged[0], storage_writer=w, no_dist=True))
+        finally:
+            w.close()
+            staged.clear()
+            stager.close()
+        return r
+
+    def slab_load(self, case: Case, base: str) -> dict[str, float]:
+        return self.ours_load(case, base, "slab")
+
+    def ours_load(self, case: Case, base: str, name: str = "ours") -> dict[str, float]:
         from torch.distributed.checkpoint import DefaultLoadPlanner
 
         from dcp_plus import ObjectStoreReader
 
-        rd = ObjectStoreReader(f"{base}/ours", self.opts, concurrency=self.conc,
+        rd = ObjectStoreReader(f"{base}/{name}", self.opts, concurrency=self.conc,
                                **self.ours_range)
         inner = _time_methods(rd, ("read_metadata", "read_data"))
         try:
@@ -384,7 +406,8 @@ def main() -> None:
     p.add_argument("--size-gib", type=float, default=2.0, help="state dict size (GiB)")
     p.add_argument("--big-tensors", type=int, default=16, help="tensors of the `big` case")
     p.add_argument("--methods", default=",".join(METHODS),
-                   help="comma-separated: plain (required: the ratios' base), pipe, stock, ours")
+                   help="comma-separated: plain (required: the ratios' base), pipe, stock, ours, "
+                        "slab")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--part-mib", type=int, default=32,
                    help="multipart part size, ours and plain (ObjectStoreWriter's default)")

@@ -1,5 +1,5 @@
 """Writer worker process: maps stager slabs, checksums extents, writes (O_DIRECT where it can)
-and fsyncs files.
+and fsyncs files, or uploads them as one object (S3 multipart).
 
 Started as ``python -m dcp_plus._worker FD``. It imports neither torch nor the user's
 ``__main__`` (unlike multiprocessing's spawn), so it starts in tens of milliseconds and needs
@@ -16,6 +16,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import Any
 
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.fileio import pwrite_all
@@ -41,6 +42,32 @@ class WriteJob:
     ranges: list[tuple[str, int, int, int]]
     fsync: bool = True
     direct: bool = False
+
+
+@dataclass(frozen=True)
+class UploadJob:
+    """Upload ``ranges`` of shared-memory slabs as the object ``name`` under ``url``.
+
+    Each range is ``(slab name, slab offset, object offset, length)`` and is one extent: its
+    checksum is returned in order. The object is ``total`` bytes, zeros between ranges.
+    ``storage_options`` and ``config`` (a :class:`~dcp_plus.format.objectio.StoreConfig`)
+    are the writer's; fsspec's instance cache keeps one client per options in this worker.
+    """
+
+    url: str
+    storage_options: dict[str, Any]
+    config: Any
+    name: str
+    total: int
+    ranges: list[tuple[str, int, int, int]]
+
+    @property
+    def path(self) -> str:
+        """Where the object goes (for messages)."""
+        return f"{self.url.rstrip('/')}/{self.name}"
+
+
+Job = WriteJob | UploadJob
 
 
 class ParentGone(Exception):
@@ -98,7 +125,25 @@ def coalesce(ranges: list[tuple[str, int, int, int]]) -> list[tuple[str, int, in
     return out
 
 
-def run_job(job: WriteJob, maps: _Mappings, parent: int) -> list[str]:
+def run_upload(job: UploadJob, maps: _Mappings) -> list[str]:
+    from dcp_plus.format.objectio import open_store  # fsspec/s3fs: only in uploading workers
+
+    sums = [checksum_bytes(memoryview(maps.get(slab))[soff : soff + n])
+            for slab, soff, _ooff, n in job.ranges]
+    segments = [(ooff, memoryview(maps.get(slab))[soff : soff + n])
+                for slab, soff, ooff, n in coalesce(job.ranges)]
+    store = open_store(job.url, job.storage_options, job.config)
+    try:
+        store.upload([(job.name, segments, job.total)])
+    finally:
+        store.close()
+    return sums
+
+
+def run_job(job: Job, maps: _Mappings, parent: int) -> list[str]:
+    if isinstance(job, UploadJob):
+        return run_upload(job, maps)
+
     def check_parent() -> None:
         if os.getppid() != parent:
             raise ParentGone
@@ -141,9 +186,7 @@ def _open_direct(path: str) -> int | None:
         raise
 
 
-def main(fd: int, nice: int = 0) -> None:
-    if nice:
-        os.nice(nice)
+def main(fd: int) -> None:
     parent = os.getppid()
     conn = Connection(fd)
     maps = _Mappings()
@@ -167,4 +210,8 @@ def main(fd: int, nice: int = 0) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    # Run from the imported module, not ``__main__``: unpickled jobs are instances of
+    # ``dcp_plus._worker``'s classes, which ``isinstance`` must see.
+    from dcp_plus import _worker
+
+    _worker.main(int(sys.argv[1]))

@@ -113,6 +113,7 @@ class _DirStore:
 
     url: str
     config: StoreConfig
+    uploads_from_any_process = False  # NFSWriter writes its files itself
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None

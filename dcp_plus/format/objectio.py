@@ -55,6 +55,9 @@ class ObjectStore(Protocol):
     """The few operations a checkpoint needs from a prefix of an object store."""
 
     url: str
+    uploads_from_any_process: bool
+    """Whether another process (a writer worker) given the same URL and options reaches the
+    same objects: True for network stores, False for ``memory://`` (one per process)."""
 
     def location(self, name: str) -> str: ...
 
@@ -272,6 +275,8 @@ def open_store(url: str, storage_options: dict[str, Any] | None,
 
 class FsspecStore:
     """Any fsspec filesystem: objects written as streams, ranges read with ``cat_file``."""
+
+    uploads_from_any_process = False  # kept in-process: memory:// is per process
 
     def __init__(self, fs: Any, root: str, url: str, config: StoreConfig) -> None:
         self.fs = fs

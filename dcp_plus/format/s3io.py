@@ -100,6 +100,8 @@ def _is_missing(exc: BaseException) -> bool:
 class S3Store:
     """One ``s3://bucket/prefix``; every request is bounded by ``config.concurrency``."""
 
+    uploads_from_any_process = True
+
     def __init__(self, fs: Any, root: str, url: str, config: StoreConfig) -> None:
         if config.part_size < MIN_PART_SIZE:
             raise ValueError(f"part_size {config.part_size} is below S3's minimum part size "

@@ -6,6 +6,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -13,6 +14,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from dcp_plus._worker import UploadJob
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
@@ -24,8 +26,13 @@ from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
+from dcp_plus.writers.pool import DEFAULT_NICE, shared_pool
 
 log = logging.getLogger(__name__)
+
+
+def _object_size(fp: FilePlan) -> int:
+    return max((off + len(r.data) for r, off in fp.placed), default=0)
 
 _DATA_OBJECT = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
 
@@ -54,6 +61,11 @@ class ObjectStoreWriter(CommittingWriter):
         codecs: per tensor-name overrides, ``{fnmatch pattern: codec}``; the first matching
             pattern wins, e.g. ``{"*.weight": "zstd+shuffle", "optim.*": "identity"}``.
             Non-tensor values are always stored as they are.
+        workers, worker_nice: the shared writer-process pool (as for ``LocalWriter``). On S3,
+            data in :class:`~dcp_plus.stagers.ArenaStager` slabs is checksummed and uploaded
+            by these processes from ``(slab, offset, length)`` descriptors, one object per
+            slab, so the trainer's threads only do bookkeeping; other data (and every other
+            filesystem, ``memory://`` being per process) is uploaded by this process.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``url`` and ``overwrite`` is off.
@@ -66,8 +78,15 @@ class ObjectStoreWriter(CommittingWriter):
                  overwrite: bool = False, part_size: int = 32 << 20, concurrency: int = 8,
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
-                 codecs: Mapping[str, str | Codec] | None = None) -> None:
+                 codecs: Mapping[str, str | Codec] | None = None, workers: int = 2,
+                 worker_nice: int = DEFAULT_NICE) -> None:
         super().__init__()
+        if workers < 1:
+            raise ValueError(f"ObjectStoreWriter workers must be >= 1, got {workers}")
+        if not 0 <= worker_nice <= 19:
+            raise ValueError(f"ObjectStoreWriter worker_nice must be in 0..19, got {worker_nice}")
+        self.workers = workers
+        self.worker_nice = worker_nice
         self.codecs = CodecChoice(codec, codecs)
         self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
@@ -119,13 +138,19 @@ class ObjectStoreWriter(CommittingWriter):
         codec_names = {id(r): self.codecs.encode(r) for r in items}
         slab_files, other_files = plan_files(items, rank, save_id, bins=1)
         files: list[FilePlan] = slab_files + other_files
-        sums = {id(r): checksum_bytes(r.data) for r in items}  # of the stored bytes
-        objects = []
-        for fp in files:
-            segments = [(off, r.data) for r, off in fp.placed if len(r.data)]
-            total = max((off + len(r.data) for r, off in fp.placed), default=0)
-            objects.append((fp.name, segments, total))
-        self._store.upload(objects)
+        in_workers = slab_files if self._store.uploads_from_any_process else []
+        in_process = other_files if in_workers else files
+        sums: dict[int, str] = {}
+        with ThreadPoolExecutor(1, thread_name_prefix="dcpp-upload") as feeder:
+            pending = feeder.submit(self._upload_in_workers, in_workers) if in_workers else None
+            objects = []
+            for fp in in_process:
+                sums.update((id(r), checksum_bytes(r.data)) for r, _ in fp.placed)
+                objects.append((fp.name, [(off, r.data) for r, off in fp.placed if len(r.data)],
+                                _object_size(fp)))
+            self._store.upload(objects)
+            if pending is not None:
+                sums.update(pending.result())
         extents = [(r.item.index, Extent(fp.name, off, len(r.data), raw_lengths[id(r)],
                                          codec_names[id(r)], sums[id(r)]))
                    for fp in files for r, off in fp.placed]
@@ -133,6 +158,18 @@ class ObjectStoreWriter(CommittingWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _upload_in_workers(self, files: list[FilePlan]) -> dict[int, str]:
+        """Each slab-backed object uploaded by a worker process; the extents' checksums."""
+        jobs = [UploadJob(self.url, self.storage_options, self.config, fp.name, _object_size(fp),
+                          [(r.slab.slab, r.slab.offset, off, r.slab.length)
+                           for r, off in fp.placed if r.slab])
+                for fp in files]
+        sums: dict[int, str] = {}
+        for fp, job_sums in zip(files, shared_pool(self.workers, self.worker_nice).run(jobs),
+                                strict=True):
+            sums.update(zip([id(r) for r, _ in fp.placed], job_sums, strict=True))
+        return sums
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         extents, tables = self._collect(metadata, results)

@@ -15,10 +15,11 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from dcp_plus._worker import WriteJob
+from dcp_plus._worker import Job
 from dcp_plus.errors import ClosedError, WorkerError
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,15 @@ class _Worker:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dcp_plus._worker", str(theirs.fileno()), str(nice)],
+            [sys.executable, "-m", "dcp_plus._worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             start_new_session=False,
         )
         theirs.close()
         self.conn = Connection(ours.detach())
+        if nice:  # set here, not by the child: it is in force before any job can reach it
+            own = os.getpriority(os.PRIO_PROCESS, 0)
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, min(19, own + nice))
 
     @property
     def pid(self) -> int:
@@ -50,7 +54,7 @@ class _Worker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def run(self, job: WriteJob) -> list[str]:
+    def run(self, job: Job) -> list[str]:
         try:
             self.conn.send(job)
             status, payload = self.conn.recv()
@@ -117,14 +121,14 @@ class WorkerPool:
         log.warning("replaced dead writer worker pid %d with pid %d", w.pid, fresh.pid)
         return fresh
 
-    def _run_one(self, job: WriteJob) -> list[str]:
+    def _run_one(self, job: Job) -> list[str]:
         w = self._take()
         try:
             return w.run(job)
         finally:
             self._idle.put(w)
 
-    def run(self, jobs: list[WriteJob]) -> list[list[str]]:
+    def run(self, jobs: Sequence[Job]) -> list[list[str]]:
         """Run ``jobs`` in parallel; returns each job's extent checksums, in order.
 
         Raises:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +22,14 @@ from dcp_plus import (
     ObjectStoreWriter,
     SafeLoadPlanner,
 )
-from tests.conftest import ROOT, child_env, wait_until
+from tests.conftest import (
+    ROOT,
+    child_env,
+    fill_pattern,
+    registered_slab,
+    wait_until,
+    worker_pids,
+)
 from tests.dist._fault_proxy import FaultProxy
 from tests.dist._s3_kill_child import v_state
 from tests.dist._seaweed import BUCKET, SeaweedServer
@@ -244,6 +254,56 @@ def test_trainer_killed_mid_upload_keeps_last_checkpoint(seaweed: SeaweedServer,
         assert ".metadata" not in keys(seaweed, f"{prefix}/step_2")
         with pytest.raises(BaseException, match=r"step_2: no commit record"):
             dcp.load(out, storage_reader=ObjectStoreReader(new, direct))
+
+
+def slab_state(slab: Any) -> dict[str, Any]:
+    """Two tensors in a registered slab (uploaded by the worker pool) and one outside it."""
+    t = slab.tensor()
+    fill_pattern(t, seed=3)
+    return {"big": t[: 12 * MiB].view(torch.float32),  # 3 parts of 5 MiB (the last shorter)
+            "tail": t[12 * MiB + 4096: 12 * MiB + 8096].view(torch.int32),
+            "plain": torch.randn(1000, generator=torch.Generator().manual_seed(5))}
+
+
+def test_slab_data_is_uploaded_by_the_worker_pool_bit_exact(seaweed: SeaweedServer,
+                                                             prefix: str) -> None:
+    opts = seaweed.storage_options()
+    url = f"s3://{BUCKET}/{prefix}"
+    with registered_slab(16 * MiB) as slab:
+        sd = slab_state(slab)
+        dcp.save(sd, storage_writer=ObjectStoreWriter(url, opts, part_size=5 * MiB))
+        assert worker_pids(), "no writer worker ran"
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=ObjectStoreReader(url, opts), planner=SafeLoadPlanner())
+        assert_bit_exact(sd, out)
+
+
+def test_worker_killed_mid_upload_fails_the_save_and_the_next_one_succeeds(
+        seaweed: SeaweedServer, prefix: str) -> None:
+    proxy = FaultProxy(("127.0.0.1", seaweed.port))
+    opts = seaweed.storage_options(proxy.endpoint, **NO_BOTO_RETRY)
+    url = f"s3://{BUCKET}/{prefix}"
+    try:
+        with registered_slab(16 * MiB) as slab, ThreadPoolExecutor(1) as ex:
+            sd = slab_state(slab)
+            dcp.save({"warm": sd["tail"]}, storage_writer=ObjectStoreWriter(
+                f"{url}-warm", opts, part_size=5 * MiB))  # the pool is up before the hold
+            proxy.hold(b"partNumber=")
+            saving = ex.submit(dcp.save, sd, storage_writer=ObjectStoreWriter(
+                url, opts, part_size=5 * MiB, max_retries=1, retry_base_delay=0.01))
+            assert proxy.held.wait(60), "the worker's upload never reached the proxy"
+            for pid in worker_pids():
+                os.kill(pid, signal.SIGKILL)
+            proxy.release()
+            with pytest.raises(BaseException, match=r"writer worker pid \d+ died .*__0_0\."):
+                saving.result(timeout=120)
+            assert ".metadata" not in keys(seaweed, prefix)
+            dcp.save(sd, storage_writer=ObjectStoreWriter(url, opts, part_size=5 * MiB))
+            out = {k: torch.zeros_like(v) for k, v in sd.items()}
+            dcp.load(out, storage_reader=ObjectStoreReader(url, opts))
+            assert_bit_exact(sd, out)
+    finally:
+        proxy.close()
 
 
 def test_wrong_secret_fails_without_retrying(seaweed: SeaweedServer, prefix: str) -> None:
