@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -161,7 +162,11 @@ class ObjectStoreWriter(CommittingWriter):
 
     def _upload_in_workers(self, files: list[FilePlan]) -> dict[int, str]:
         """Each slab-backed object uploaded by a worker process; the extents' checksums."""
-        jobs = [UploadJob(self.url, self.storage_options, self.config, fp.name, _object_size(fp),
+        # the workers upload side by side: together they keep `concurrency` requests in flight
+        side_by_side = min(self.workers, len(files))
+        config = dataclasses.replace(
+            self.config, concurrency=max(1, self.config.concurrency // side_by_side))
+        jobs = [UploadJob(self.url, self.storage_options, config, fp.name, _object_size(fp),
                           [(r.slab.slab, r.slab.offset, off, r.slab.length)
                            for r, off in fp.placed if r.slab])
                 for fp in files]
