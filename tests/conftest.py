@@ -315,6 +315,16 @@ def worker_pids(parent: int | None = None) -> list[int]:
     return sorted(found)
 
 
+def wait_for_file(path: str | os.PathLike, timeout: float = 120) -> bool:
+    """In a test's child process: poll until ``path`` exists; False after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
                interval: float = 0.01) -> Any:
     """Poll ``predicate`` until truthy; fail the test naming ``what`` after ``timeout`` s."""

@@ -25,7 +25,12 @@ from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
-from dcp_plus.writers.pool import DEFAULT_NICE, shared_pool, shutdown_pool
+from dcp_plus.writers.pool import (
+    DEFAULT_NICE,
+    check_pool_settings,
+    shared_pool,
+    shutdown_pool,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +75,7 @@ class LocalWriter(CommittingWriter):
         self.threads = threads
         self.fsync = fsync
         self.direct_io = direct_io
-        if not 0 <= worker_nice <= 19:
-            raise ValueError(f"LocalWriter worker_nice must be in 0..19, got {worker_nice}")
+        check_pool_settings("LocalWriter", workers, worker_nice)
         self.worker_nice = worker_nice
         self.codecs = CodecChoice(codec, codecs)
         self.save_id = new_save_id()

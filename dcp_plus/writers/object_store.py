@@ -27,7 +27,7 @@ from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, plan_files
-from dcp_plus.writers.pool import DEFAULT_NICE, shared_pool
+from dcp_plus.writers.pool import DEFAULT_NICE, check_pool_settings, shared_pool
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +82,7 @@ class ObjectStoreWriter(CommittingWriter):
                  codecs: Mapping[str, str | Codec] | None = None, workers: int = 2,
                  worker_nice: int = DEFAULT_NICE) -> None:
         super().__init__()
-        if workers < 1:
-            raise ValueError(f"ObjectStoreWriter workers must be >= 1, got {workers}")
-        if not 0 <= worker_nice <= 19:
-            raise ValueError(f"ObjectStoreWriter worker_nice must be in 0..19, got {worker_nice}")
+        check_pool_settings("ObjectStoreWriter", workers, worker_nice)
         self.workers = workers
         self.worker_nice = worker_nice
         self.codecs = CodecChoice(codec, codecs)

@@ -30,6 +30,15 @@ training step keeps busy the workers take CPU from it only when it leaves some (
 VM, 1.2 GB every 5 steps: step overhead +8-10 % instead of +16-18 % at niceness 0)."""
 
 
+def check_pool_settings(owner: str, size: int, nice: int,
+                        names: tuple[str, str] = ("workers", "worker_nice")) -> None:
+    """Refuse a pool size below 1 or a niceness outside 0..19, naming ``owner``'s argument."""
+    if size < 1:
+        raise ValueError(f"{owner} {names[0]} must be >= 1, got {size}")
+    if not 0 <= nice <= 19:
+        raise ValueError(f"{owner} {names[1]} must be in 0..19, got {nice}")
+
+
 class _Worker:
     def __init__(self, nice: int) -> None:
         ours, theirs = socket.socketpair()
@@ -90,10 +99,7 @@ class WorkerPool:
     """
 
     def __init__(self, size: int = 2, nice: int = DEFAULT_NICE) -> None:
-        if size < 1:
-            raise ValueError(f"WorkerPool size must be >= 1, got {size}")
-        if not 0 <= nice <= 19:
-            raise ValueError(f"WorkerPool nice must be in 0..19, got {nice}")
+        check_pool_settings("WorkerPool", size, nice, ("size", "nice"))
         self.size = size
         self.nice = nice
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +30,13 @@ def main(opts_json: str, old: str, new: str, ready: str, go: str) -> int:
     import torch.distributed.checkpoint as dcp
 
     from dcp_plus import ObjectStoreWriter
+    from tests.conftest import wait_for_file
 
     opts = json.loads(opts_json)
     dcp.save(v_state(1), storage_writer=ObjectStoreWriter(old, opts, part_size=PART))
     Path(ready).touch()
-    deadline = time.monotonic() + 120
-    while not Path(go).exists():
-        if time.monotonic() > deadline:
-            return 3
-        time.sleep(0.01)
+    if not wait_for_file(go):
+        return 3
     dcp.save(v_state(2), storage_writer=ObjectStoreWriter(new, opts, part_size=PART,
                                                           overwrite=True))
     Path(ready + ".finished").touch()

@@ -9,7 +9,6 @@ READY_FILE + ".finished" if that save ever completes.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 SLAB_BYTES = 24 << 20
@@ -26,18 +25,15 @@ def v1_state(bufs: list) -> dict:
 
 
 def main(old: str, new: str, ready: str, go: str) -> int:
-    from tests.conftest import fill_pattern, registered_slab, save
+    from tests.conftest import fill_pattern, registered_slab, save, wait_for_file
 
     with registered_slab(SLAB_BYTES) as s1, registered_slab(SLAB_BYTES) as s2:
         bufs = [s1.tensor(), s2.tensor()]
         sd = v1_state(bufs)
         save(sd, old)
         Path(ready).touch()
-        deadline = time.monotonic() + 120
-        while not Path(go).exists():
-            if time.monotonic() > deadline:
-                return 3
-            time.sleep(0.01)
+        if not wait_for_file(go):
+            return 3
         fill_pattern(bufs[0], seed=3)
         fill_pattern(bufs[1], seed=4)
         save(sd, new, overwrite=True)
