@@ -4,7 +4,8 @@ and fsyncs files, or uploads them as one object (S3 multipart).
 Started as ``python -m dcp_plus._worker FD``. It imports neither torch nor the user's
 ``__main__`` (unlike multiprocessing's spawn), so it starts in tens of milliseconds and needs
 no ``if __name__ == "__main__"`` guard in training scripts. It exits when its parent dies:
-the socket reads EOF while idle, and ``getppid()`` is checked between write chunks.
+the socket reads EOF while idle, ``getppid()`` is checked between write chunks, and a
+watchdog thread ends it mid-job (an upload) when the parent is gone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import errno
 import mmap
 import os
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -186,8 +189,17 @@ def _open_direct(path: str) -> int | None:
         raise
 
 
+def _exit_with(parent: int) -> None:
+    """Exit as soon as ``parent`` is gone, even in the middle of a job: an upload on s3fs's
+    event loop has no place to check between chunks as the file writes do."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(1)
+
+
 def main(fd: int) -> None:
     parent = os.getppid()
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     conn = Connection(fd)
     maps = _Mappings()
     while True:

@@ -26,6 +26,7 @@ from tests.conftest import (
     ROOT,
     child_env,
     fill_pattern,
+    pid_alive,
     registered_slab,
     wait_until,
     worker_pids,
@@ -221,7 +222,8 @@ def test_server_down_fails_save_clearly_and_earlier_checkpoint_loads(
 def test_trainer_killed_mid_upload_keeps_last_checkpoint(seaweed: SeaweedServer, prefix: str,
                                                          tmp_path: Path, target: str) -> None:
     """Invariant 3 on S3: SIGKILL while a part of the next save is in flight (held by the
-    proxy, so the kill provably lands mid-upload) costs nothing committed."""
+    proxy, so the kill provably lands mid-upload) costs nothing committed, and the writer
+    workers that were uploading it exit."""
     proxy = FaultProxy(("127.0.0.1", seaweed.port))
     old = f"s3://{BUCKET}/{prefix}/step_1"
     new = old if target == "overwrite" else f"s3://{BUCKET}/{prefix}/step_2"
@@ -236,8 +238,12 @@ def test_trainer_killed_mid_upload_keeps_last_checkpoint(seaweed: SeaweedServer,
         proxy.hold(b"partNumber=")
         go.touch()
         assert proxy.held.wait(60), "v2's upload never reached the proxy"
+        workers = worker_pids(child.pid)
+        assert workers, "v2 was not uploaded by the child's writer workers"
         child.kill()
         assert child.wait(30) == -9
+        wait_until(lambda: not any(pid_alive(p) for p in workers), 30,
+                   "the dead trainer's writer workers to exit mid-upload")
     finally:
         if child.poll() is None:
             child.kill()
