@@ -64,15 +64,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tqdm import tqdm
 
-from benchmarks._models import (
-    empty_like_state_dict,
-    gpt2_like_state_dict,
-    iter_tensors,
-    map_tensors,
-    shape_for_size,
-    state_dict_nbytes,
-    states_equal,
-)
 from dcp_plus.bench.limits import dd_read, pwrite_files
 from dcp_plus.bench.machine import (
     ForeignCpu,
@@ -80,6 +71,15 @@ from dcp_plus.bench.machine import (
     fs_type,
     load1,
     machine,
+)
+from dcp_plus.bench.models import (
+    empty_like_state_dict,
+    gpt2_like_state_dict,
+    iter_tensors,
+    map_tensors,
+    shape_for_size,
+    state_dict_nbytes,
+    states_equal,
 )
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.fileio import fsync_dir

@@ -104,6 +104,14 @@ class _Mappings:
         self._maps[name] = (m, ino)
         return m
 
+    def view(self, name: str, offset: int, length: int) -> memoryview:
+        """Bytes ``[offset, offset + length)`` of slab ``name``."""
+        return memoryview(self.get(name))[offset : offset + length]
+
+    def checksums(self, ranges: list[tuple[str, int, int, int]]) -> list[str]:
+        """The checksum of each job range ``(slab, slab offset, file offset, length)``."""
+        return [checksum_bytes(self.view(slab, soff, n)) for slab, soff, _, n in ranges]
+
     def _drop(self, name: str) -> None:
         m, _ = self._maps.pop(name)
         m.close()
@@ -131,10 +139,8 @@ def coalesce(ranges: list[tuple[str, int, int, int]]) -> list[tuple[str, int, in
 def run_upload(job: UploadJob, maps: _Mappings) -> list[str]:
     from dcp_plus.format.objectio import open_store  # fsspec/s3fs: only in uploading workers
 
-    sums = [checksum_bytes(memoryview(maps.get(slab))[soff : soff + n])
-            for slab, soff, _ooff, n in job.ranges]
-    segments = [(ooff, memoryview(maps.get(slab))[soff : soff + n])
-                for slab, soff, ooff, n in coalesce(job.ranges)]
+    sums = maps.checksums(job.ranges)
+    segments = [(ooff, maps.view(slab, soff, n)) for slab, soff, ooff, n in coalesce(job.ranges)]
     store = open_store(job.url, job.storage_options, job.config)
     try:
         store.upload([(job.name, segments, job.total)])
@@ -151,14 +157,12 @@ def run_job(job: Job, maps: _Mappings, parent: int) -> list[str]:
         if os.getppid() != parent:
             raise ParentGone
 
-    sums = []
-    for slab, soff, _foff, n in job.ranges:
-        sums.append(checksum_bytes(memoryview(maps.get(slab))[soff : soff + n]))
+    sums = maps.checksums(job.ranges)
     fd = os.open(job.path, os.O_WRONLY)
     dfd = _open_direct(job.path) if job.direct else None
     try:
         for slab, soff, foff, n in coalesce(job.ranges):
-            data = memoryview(maps.get(slab))[soff : soff + n]
+            data = maps.view(slab, soff, n)
             head = 0
             if dfd is not None and soff % DIRECT_ALIGN == 0 and foff % DIRECT_ALIGN == 0:
                 head = n - n % DIRECT_ALIGN

@@ -100,6 +100,20 @@ class ExtentStore(ObjectStore, Protocol):
         ...
 
 
+class ReadsByExtents:
+    """``read`` for a store that has ``read_extents`` (:class:`ExtentStore`)."""
+
+    def read_extents(self, extents: Sequence[tuple[str, int, int]],
+                     open_extent: Callable[[int], memoryview], done: Callable[[int], None],
+                     executor: Executor | None = None) -> None:
+        raise NotImplementedError
+
+    def read(self, name: str, reads: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``(offset, buffer)`` from object ``name``."""
+        self.read_extents([(name, off, len(v)) for off, v in reads],
+                          lambda k: reads[k][1], lambda k: None)
+
+
 def assemble(segments: Segments, starts: Sequence[int], start: int, end: int) -> bytes:
     """The object bytes ``[start, end)``: segment data, zeros between (``starts`` is sorted).
 
@@ -273,7 +287,7 @@ def open_store(url: str, storage_options: dict[str, Any] | None,
     return FsspecStore(fs, root, url, config)
 
 
-class FsspecStore:
+class FsspecStore(ReadsByExtents):
     """Any fsspec filesystem: objects written as streams, ranges read with ``cat_file``."""
 
     uploads_from_any_process = False  # kept in-process: memory:// is per process
@@ -357,11 +371,6 @@ class FsspecStore:
                         f.write(assemble(segments, starts, a, b))
             self._retry(attempt, f"upload of {self.location(name)}")
         self._map(one, list(objects))
-
-    def read(self, name: str, reads: Sequence[tuple[int, memoryview]]) -> None:
-        """Fill each ``(offset, buffer)`` from object ``name``."""
-        self.read_extents([(name, off, len(v)) for off, v in reads],
-                          lambda k: reads[k][1], lambda k: None)
 
     def read_extents(self, extents: Sequence[tuple[str, int, int]],
                      open_extent: Callable[[int], memoryview], done: Callable[[int], None],

@@ -21,6 +21,7 @@ from dcp_plus.format.objectio import (
     MIN_PART_SIZE,
     ExtentFill,
     RangeRequest,
+    ReadsByExtents,
     Segments,
     StoreConfig,
     assemble,
@@ -97,7 +98,7 @@ def _is_missing(exc: BaseException) -> bool:
     return status == 404 or code in ("NoSuchKey", "404", "NotFound")
 
 
-class S3Store:
+class S3Store(ReadsByExtents):
     """One ``s3://bucket/prefix``; every request is bounded by ``config.concurrency``."""
 
     uploads_from_any_process = True
@@ -271,11 +272,6 @@ class S3Store:
         except Exception as e:  # best effort: a lifecycle rule reaps what is left
             log.warning("could not abort multipart upload %s of %s: %s", upload_id,
                         self.location(name), e)
-
-    def read(self, name: str, reads: Sequence[tuple[int, memoryview]]) -> None:
-        """Fill each ``(offset, buffer)`` from object ``name``."""
-        self.read_extents([(name, off, len(v)) for off, v in reads],
-                          lambda k: reads[k][1], lambda k: None)
 
     def read_extents(self, extents: Sequence[tuple[str, int, int]],
                      open_extent: Callable[[int], memoryview], done: Callable[[int], None],

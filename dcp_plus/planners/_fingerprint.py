@@ -144,16 +144,9 @@ def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
             raise ValueError(f"duplicated flatten key {fqn}")
         flat[fqn] = v
         mappings[fqn] = path
+        # plain DTensors never get here: walk() adds them inline (others go to _entry)
         tv = type(v)
-        if tv is DT:
-            local = v._local_tensor
-            if type(local) is Tensor:
-                spec = v._spec
-                add(("D", path, v.shape, local.dtype, local.layout,
-                     (v if grad else local).requires_grad,
-                     pin and local.is_cpu and local.is_pinned(), spec.placements, spec.mesh))
-                return
-        elif tv is Tensor or tv is Parameter:
+        if tv is Tensor or tv is Parameter:
             add(("T", path, v.shape, v.dtype, v.layout, v.requires_grad,
                  pin and v.is_cpu and v.is_pinned()))
             return

@@ -19,6 +19,23 @@ class FilePlan:
     def nbytes(self) -> int:
         return sum(len(r.data) for r, _ in self.placed)
 
+    @property
+    def size(self) -> int:
+        """The file's (or object's) length: the end of its last item."""
+        return max((off + len(r.data) for r, off in self.placed), default=0)
+
+    def slab_ranges(self) -> list[tuple[str, int, int, int]]:
+        """``(slab, slab offset, file offset, length)`` of its slab-backed items: the ranges
+        of a writer worker's job, whose checksums come back in this order."""
+        return [(r.slab.slab, r.slab.offset, off, r.slab.length)
+                for r, off in self.placed if r.slab]
+
+
+def checksums_by_item(files: list[FilePlan], job_sums: list[list[str]]) -> dict[int, str]:
+    """``{id(item): checksum}`` from one worker job per slab-backed file, in file order."""
+    return {id(r): c for fp, sums in zip(files, job_sums, strict=True)
+            for (r, _), c in zip(fp.placed, sums, strict=True)}
+
 
 def plan_files(items: list[ResolvedItem], rank: int, save_id: str, bins: int,
                slab_parts: int = 1) -> tuple[list[FilePlan], list[FilePlan]]:

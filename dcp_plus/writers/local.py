@@ -24,7 +24,7 @@ from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
 from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
-from dcp_plus.writers.layout import FilePlan, plan_files
+from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
 from dcp_plus.writers.pool import (
     DEFAULT_NICE,
     check_pool_settings,
@@ -124,9 +124,11 @@ class LocalWriter(CommittingWriter):
                 self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-write")
             pending = [self._io.submit(self._write_local, fp) for fp in local_files]
         if slab_files:
-            jobs, order = self._slab_jobs(slab_files)
-            for ids, job_sums in zip(order, shared_pool(self.workers, self.worker_nice).run(jobs), strict=True):
-                sums.update(zip(ids, job_sums, strict=True))
+            jobs = [WriteJob(os.path.abspath(os.path.join(self.path, fp.name)),
+                             fp.slab_ranges(), self.fsync, self.direct_io)
+                    for fp in slab_files]  # one job per file: never two writers to a file
+            job_sums = shared_pool(self.workers, self.worker_nice).run(jobs)
+            sums.update(checksums_by_item(slab_files, job_sums))
         for f in pending:
             sums.update(f.result())
         extents = [(r.item.index, Extent(fp.name, off, len(r.data), raw_lengths[id(r)],
@@ -138,14 +140,6 @@ class LocalWriter(CommittingWriter):
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
-
-    def _slab_jobs(self, files: list[FilePlan]) -> tuple[list[WriteJob], list[list[int]]]:
-        """One worker job per slab-backed file (a file is never shared by two writers)."""
-        jobs = [WriteJob(os.path.abspath(os.path.join(self.path, fp.name)),
-                         [(r.slab.slab, r.slab.offset, off, r.slab.length)
-                          for r, off in fp.placed if r.slab], self.fsync, self.direct_io)
-                for fp in files]
-        return jobs, [[id(r) for r, _ in fp.placed] for fp in files]
 
     def _write_local(self, fp: FilePlan) -> dict[int, str]:
         sums = {}

@@ -26,14 +26,10 @@ from dcp_plus.format.retry import RetryPolicy
 from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
-from dcp_plus.writers.layout import FilePlan, plan_files
+from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
 from dcp_plus.writers.pool import DEFAULT_NICE, check_pool_settings, shared_pool
 
 log = logging.getLogger(__name__)
-
-
-def _object_size(fp: FilePlan) -> int:
-    return max((off + len(r.data) for r, off in fp.placed), default=0)
 
 _DATA_OBJECT = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
 
@@ -145,7 +141,7 @@ class ObjectStoreWriter(CommittingWriter):
             for fp in in_process:
                 sums.update((id(r), checksum_bytes(r.data)) for r, _ in fp.placed)
                 objects.append((fp.name, [(off, r.data) for r, off in fp.placed if len(r.data)],
-                                _object_size(fp)))
+                                fp.size))
             self._store.upload(objects)
             if pending is not None:
                 sums.update(pending.result())
@@ -163,15 +159,10 @@ class ObjectStoreWriter(CommittingWriter):
         side_by_side = min(self.workers, len(files))
         config = dataclasses.replace(
             self.config, concurrency=max(1, self.config.concurrency // side_by_side))
-        jobs = [UploadJob(self.url, self.storage_options, config, fp.name, _object_size(fp),
-                          [(r.slab.slab, r.slab.offset, off, r.slab.length)
-                           for r, off in fp.placed if r.slab])
+        jobs = [UploadJob(self.url, self.storage_options, config, fp.name, fp.size,
+                          fp.slab_ranges())
                 for fp in files]
-        sums: dict[int, str] = {}
-        for fp, job_sums in zip(files, shared_pool(self.workers, self.worker_nice).run(jobs),
-                                strict=True):
-            sums.update(zip([id(r) for r, _ in fp.placed], job_sums, strict=True))
-        return sums
+        return checksums_by_item(files, shared_pool(self.workers, self.worker_nice).run(jobs))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         extents, tables = self._collect(metadata, results)
