@@ -5,8 +5,8 @@ dict's *structure* only: key paths, tensor dtypes, shapes and properties, DTenso
 ShardedTensor chunk offsets and sizes, the process group, and the storage writer's type and
 settings. It does not depend on tensor values.
 
-:func:`flatten_with_entries` flattens a state dict as DCP does and, in the same pass, lists
-those inputs per value (:data:`Entry`). A planner compares that list with the lists of
+``dcp_plus.planners._flatten`` flattens a state dict as DCP does and lists those inputs per
+value (:data:`Entry`). A planner compares that list with the lists of
 structures it has planned before (a C-level comparison, mostly by identity) and hashes it
 (:func:`digest_entries`) only when it is new.
 """
@@ -14,18 +14,15 @@ structures it has planned before (a C-level comparison, mostly by identity) and 
 from __future__ import annotations
 
 import enum
-import functools
 import hashlib
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.tensor import DTensor
 
 DIGEST_SIZE = 16
@@ -89,110 +86,6 @@ def structure_entries(
     if mappings:
         return [_entry(fqn, mappings.get(fqn, fqn), obj, grad) for fqn, obj in state_dict.items()]
     return [_entry(fqn, fqn, obj, grad) for fqn, obj in state_dict.items()]
-
-
-@functools.cache
-def pinning_possible() -> bool:
-    """Whether any tensor of this process can be page-locked (an accelerator is present).
-
-    Without one ``is_pinned()`` is always False; asking costs 0.2 us per tensor, 10 % of a
-    plan-cache hit. Only CPU tensors are ever pinned.
-    """
-    return bool(torch.accelerator.is_available())
-
-
-_Tensor = torch.Tensor
-_Parameter = torch.nn.Parameter
-# Leaf types that are certainly neither a Mapping nor a list (skips two ABC checks each).
-_LEAVES = frozenset({DTensor, _Tensor, _Parameter, int, float, str, bool, bytes, type(None)})
-
-
-@dataclass
-class Flat:
-    """A state dict flattened exactly as DCP's ``flatten_state_dict`` does, with its entries."""
-
-    state_dict: dict[str, Any]
-    mappings: dict[str, tuple[str | int, ...]]
-    entries: list[Entry]
-    has_sharded: bool
-
-
-def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
-    """DCP's ``flatten_state_dict`` and :func:`structure_entries` in one pass.
-
-    Same keys, order, object paths and duplicate-key error as DCP's flatten (nested mappings,
-    lists that hold tensors or mappings; other lists, tuples and values are leaves), about
-    5x faster, plus the entries for plain DTensors and tensors computed inline. Returns None
-    where DCP would use its pre-2.4 traversal (``_version._derived_version == "2_3"``).
-    :class:`~dcp_plus.planners.CachedSavePlanner` checks the result against DCP's own
-    flatten whenever it meets a structure it has not seen before.
-    """
-    if _dcp_version._derived_version == "2_3":
-        return None
-    flat: dict[str, Any] = {}
-    mappings: dict[str, tuple[str | int, ...]] = {}
-    entries: list[Entry] = []
-    add = entries.append
-    grad = torch.is_grad_enabled()
-    pin = pinning_possible()
-    sharded = False
-    Tensor, Parameter, DT, leaves = _Tensor, _Parameter, DTensor, _LEAVES
-
-    def leaf(fqn: str, path: tuple[str | int, ...], v: Any) -> None:
-        nonlocal sharded
-        if fqn in flat:
-            raise ValueError(f"duplicated flatten key {fqn}")
-        flat[fqn] = v
-        mappings[fqn] = path
-        # plain DTensors never get here: walk() adds them inline (others go to _entry)
-        tv = type(v)
-        if tv is Tensor or tv is Parameter:
-            add(("T", path, v.shape, v.dtype, v.layout, v.requires_grad,
-                 pin and v.is_cpu and v.is_pinned()))
-            return
-        elif isinstance(v, ShardedTensor):
-            sharded = True
-        add(_entry(fqn, path, v, grad))
-
-    def walk(prefix: str, path: tuple[str | int, ...], items: Any, is_list: bool) -> None:
-        for k, v in items:
-            sk = k if type(k) is str else str(k)
-            p = (*path, k if is_list else sk)
-            tv = type(v)
-            if tv is dict or (tv not in leaves and isinstance(v, Mapping)):
-                walk(prefix + sk + ".", p, v.items(), False)
-            elif tv in leaves or not isinstance(v, list) or _is_terminal_list(v):
-                # hot path: inlined leaf() for plain DTensors and tensors
-                fqn = prefix + sk
-                if tv is DT:
-                    local = v._local_tensor
-                    if type(local) is Tensor and fqn not in flat:
-                        flat[fqn] = v
-                        mappings[fqn] = p
-                        spec = v._spec
-                        add(("D", p, v.shape, local.dtype, local.layout,
-                             (v if grad else local).requires_grad,
-                             pin and local.is_cpu and local.is_pinned(),
-                             spec.placements, spec.mesh))
-                        continue
-                leaf(fqn, p, v)
-            else:
-                walk(prefix + sk + ".", p, enumerate(v), True)
-
-    walk("", (), state_dict.items(), False)
-    return Flat(flat, mappings, entries, sharded)
-
-
-def _is_terminal_list(value: list[Any]) -> bool:
-    """DCP's ``_is_terminal`` for a list: no tensor, no mapping, no non-terminal list inside."""
-    for entry in value:
-        if isinstance(entry, Mapping):
-            return False
-        if isinstance(entry, list) and not _is_terminal_list(entry):
-            return False
-        if isinstance(entry, torch.Tensor):
-            return False
-    return True
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:

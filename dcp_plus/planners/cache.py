@@ -21,7 +21,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_plus.planners._fingerprint import in_dcp_broadcast
+from dcp_plus.planners._flatten import Flat, Template
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +218,9 @@ class PlanCache:
         self.finals: LRU[bytes, tuple[SavePlan, Metadata]] = LRU(capacity)
         self.mirror: dict[int, LRU[bytes, SavePlan]] = {}
         self.globals: LRU[bytes, GlobalEntry] = LRU(capacity)
-        self.structures: list[tuple[list[Any], bytes]] = []
-        """(structure entries, their digest), most recently used first; local to this rank."""
+        self.structures: list[tuple[list[Any], bytes, Template | None]] = []
+        """(structure entries, their digest, how such a state dict flattens), most recently
+        used first; local to this rank."""
         self.pending: Pending | None = None
         self.in_flight = False
         self.hits = 0
@@ -234,22 +236,36 @@ class PlanCache:
         self.structures.clear()
         self.pending = None
 
-    def structure_key(self, entries: list[Any]) -> bytes | None:
+    def replay(self, state_dict: Mapping[str, Any]) -> tuple[Flat, bytes] | None:
+        """The flatten of ``state_dict`` and its structure digest, if it has a structure seen
+        before (:meth:`Template.replay`, most recently used first), else None."""
+        for i, (_, key, template) in enumerate(self.structures):
+            flat = None if template is None else template.replay(state_dict)
+            if flat is not None:
+                if i:
+                    self.structures.insert(0, self.structures.pop(i))
+                return flat, key
+        return None
+
+    def structure_key(self, entries: list[Any], template: Template | None = None) -> bytes | None:
         """The digest of a structure equal to ``entries`` seen before, or None.
 
         Compares the lists themselves (C-level, mostly identity checks; lists of different
-        lengths differ at once), so no per-value hashing happens on a hit.
+        lengths differ at once), so no per-value hashing happens on a hit. A ``template``
+        replaces the structure's recorded one (its containers changed type, say).
         """
-        for i, (known, key) in enumerate(self.structures):
+        for i, (known, key, old) in enumerate(self.structures):
             if known == entries:
-                if i:
-                    self.structures.insert(0, self.structures.pop(i))
+                del self.structures[i]
+                self.structures.insert(0, (known, key, template or old))
                 return key
         return None
 
-    def remember_structure(self, entries: list[Any], key: bytes) -> None:
-        """Record ``entries`` and their digest (at most ``capacity`` structures)."""
-        self.structures.insert(0, (entries, key))
+    def remember_structure(
+        self, entries: list[Any], key: bytes, template: Template | None = None
+    ) -> None:
+        """Record ``entries``, their digest and template (at most ``capacity`` structures)."""
+        self.structures.insert(0, (entries, key, template))
         del self.structures[self.capacity:]
 
     def mirror_of(self, rank: int) -> LRU[bytes, SavePlan]:

@@ -27,11 +27,11 @@ from dcp_plus.planners._fingerprint import (
     digest,
     digest_entries,
     find_save_context,
-    flatten_with_entries,
     group_key,
     structure_entries,
     writer_key,
 )
+from dcp_plus.planners._flatten import flatten_with_entries
 from dcp_plus.planners.cache import (
     FULL,
     HIT,
@@ -158,9 +158,11 @@ class CachedSavePlanner(DefaultSavePlanner):
         storage_meta: StorageMeta | None = None,
         is_coordinator: bool = False,
     ) -> None:
-        """Flatten ``state_dict`` as DCP does and fingerprint it, in one pass.
+        """Flatten ``state_dict`` as DCP does and fingerprint it.
 
-        Also drops the cache if the last save's planning failed.
+        A structure seen before is recognised by replaying how it flattened (no key paths
+        built); otherwise one pass flattens and lists the entries. Also drops the cache if
+        the last save's planning failed.
         """
         cache = self._cache
         if cache.in_flight:
@@ -173,38 +175,48 @@ class CachedSavePlanner(DefaultSavePlanner):
         cache.pending = None
         set_active(cache)
         self.is_coordinator = is_coordinator
-        flat = None
-        if self.flatten_state_dict and self._fast_flatten:
-            flat = flatten_with_entries(state_dict)
-        if flat is not None and not flat.has_sharded:
-            key = cache.structure_key(flat.entries)
-            if key is None:
-                # A structure not seen before: check the one-pass flatten against DCP's own,
-                # which stays the reference (this save replans anyway).
-                sd, mappings = flatten_state_dict(state_dict)
-                ours = flat.state_dict
-                if (
-                    list(sd) == list(ours)
-                    and mappings == flat.mappings
-                    and all(a is b for a, b in zip(sd.values(), ours.values(), strict=True))
-                ):
-                    key = self._structure_digest(flat.entries)
-                else:
-                    log.warning(
-                        "CachedSavePlanner's one-pass flatten differs from DCP's "
-                        "flatten_state_dict for this state dict; using DCP's from now on"
-                    )
-                    self._fast_flatten = False
-            if key is not None:
-                self.state_dict, self.mappings = flat.state_dict, flat.mappings
-                self._structure_key = key
-                return
+        if self.flatten_state_dict and self._fast_flatten and self._fast_set_up(state_dict):
+            return
         # DCP's own flatten (and ShardedTensor flattening), then the entries in a second pass.
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         entries = structure_entries(
             self.state_dict, self.mappings if self.flatten_state_dict else None
         )
         self._structure_key = self._structure_digest(entries)
+
+    def _fast_set_up(self, state_dict: STATE_DICT_TYPE) -> bool:
+        """Set up from a template replay or the one-pass flatten; False: use DCP's flatten."""
+        cache = self._cache
+        known = cache.replay(state_dict)
+        if known is not None:
+            replayed, self._structure_key = known
+            self.state_dict, self.mappings = replayed.state_dict, replayed.mappings
+            return True
+        flat = flatten_with_entries(state_dict)
+        if flat is None or flat.has_sharded:
+            return False
+        key = cache.structure_key(flat.entries, flat.template)
+        if key is None:
+            # A structure not seen before: check the one-pass flatten against DCP's own,
+            # which stays the reference (this save replans anyway).
+            sd, mappings = flatten_state_dict(state_dict)
+            ours = flat.state_dict
+            if not (
+                list(sd) == list(ours)
+                and mappings == flat.mappings
+                and all(a is b for a, b in zip(sd.values(), ours.values(), strict=True))
+            ):
+                log.warning(
+                    "CachedSavePlanner's one-pass flatten differs from DCP's "
+                    "flatten_state_dict for this state dict; using DCP's from now on"
+                )
+                self._fast_flatten = False
+                return False
+            key = digest_entries(flat.entries)
+            cache.remember_structure(flat.entries, key, flat.template)
+        self.state_dict, self.mappings = flat.state_dict, flat.mappings
+        self._structure_key = key
+        return True
 
     def _structure_digest(self, entries: list[Entry]) -> bytes:
         """The digest of ``entries``, from the cache when this structure was seen before."""

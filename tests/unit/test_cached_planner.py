@@ -6,6 +6,7 @@ import gc
 import pickle
 import warnings
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 from dcp_plus.planners import cached_save
 from dcp_plus.planners._fingerprint import (
-    Flat,
-    flatten_with_entries,
     structure_digest,
     structure_entries,
     writer_key,
 )
+from dcp_plus.planners._flatten import Flat, flatten_with_entries
 from dcp_plus.planners.cache import LRU, CachedMetadata
 from dcp_plus.planners.cached_save import CachedSavePlanner
 
@@ -180,7 +180,7 @@ def test_pinning_a_tensor_replans_and_the_record_says_pinned(tmp_path: Path) -> 
 
 
 def test_without_an_accelerator_no_tensor_is_pinned_so_none_is_asked() -> None:
-    from dcp_plus.planners._fingerprint import pinning_possible
+    from dcp_plus.planners._flatten import pinning_possible
 
     assert pinning_possible() == torch.accelerator.is_available()
     if not pinning_possible():
@@ -286,3 +286,85 @@ def test_the_planner_does_not_keep_a_saves_metadata(tmp_path: Path) -> None:
 def test_cache_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="cache_size"):
         CachedSavePlanner(cache_size=0)
+
+
+def _rebuilt(obj: Any) -> Any:
+    """The same structure and leaves in new containers (what ``get_state_dict`` returns)."""
+    if isinstance(obj, Mapping):
+        return type(obj)((k, _rebuilt(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [_rebuilt(v) for v in obj]
+    return obj
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_a_replay_flattens_a_rebuilt_state_dict_like_dcp(case: int) -> None:
+    flat = flatten_with_entries(_nested(case))
+    assert flat is not None and flat.template is not None
+    sd = _rebuilt(_nested(case))
+    again = flat.template.replay(sd)
+    assert again is not None
+    ref, mappings = flatten_state_dict(sd)
+    assert list(again.state_dict) == list(ref) and again.mappings == mappings
+    assert all(a is b for a, b in zip(again.state_dict.values(), ref.values(), strict=True))
+    assert again.entries == flat.entries
+
+
+def _changes() -> list[tuple[str, Any]]:
+    t = torch.ones(2)
+    return [
+        ("key renamed", lambda sd: sd["a"].__setitem__("B", sd["a"].pop("b"))),
+        ("key added", lambda sd: sd["a"].__setitem__("q", t)),
+        ("leaf became a mapping", lambda sd: sd.__setitem__("s", {"x": t})),
+        ("terminal list got a tensor", lambda sd: sd["d"].__setitem__(0, t)),
+        ("tensor became an int", lambda sd: sd["a"].__setitem__("b", 7)),
+        ("dtype", lambda sd: sd["a"].__setitem__("b", t.double())),
+        ("shape", lambda sd: sd["a"].__setitem__("b", torch.ones(3))),
+        ("requires_grad", lambda sd: sd["a"]["p"].requires_grad_(False)),
+        ("key order", lambda sd: sd.__setitem__("a", dict(reversed(sd["a"].items())))),
+    ]
+
+
+@pytest.mark.parametrize("name", [n for n, _ in _changes()])
+def test_a_replay_refuses_a_changed_structure(name: str) -> None:
+    sd = _nested(0)
+    flat = flatten_with_entries(sd)
+    assert flat is not None and flat.template is not None
+    changed = _rebuilt(sd)
+    changed["a"]["p"] = torch.nn.Parameter(torch.zeros(3))
+    dict(_changes())[name](changed)
+    assert flat.template.replay(changed) is None
+    fresh = flatten_with_entries(changed)
+    assert fresh is not None and fresh.entries != flat.entries
+
+
+def test_a_new_container_type_is_not_replayed_but_the_structure_still_hits(
+    tmp_path: Path,
+) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    template = planner.cache.structures[0][2]
+    assert template is not None
+    od = {**sd, "model": OrderedDict(sd["model"])}
+    assert template.replay(od) is None  # DCP flattens it the same: the entries match
+    _save(od, tmp_path / "1", planner)
+    assert planner.last_was_hit
+    assert planner.cache.structures[0][2] is not template  # replays OrderedDicts next time
+    assert planner.cache.structures[0][2].replay(od) is not None
+
+
+def test_a_replay_tells_an_int_key_from_an_equal_bool_key() -> None:
+    t = torch.ones(1)
+    flat = flatten_with_entries({"state": {1: t}})
+    assert flat is not None and flat.template is not None
+    assert flat.template.replay({"state": {1: t}}) is not None
+    assert flat.template.replay({"state": {True: t}}) is None  # 1 == True, "1" != "True"
+
+
+def test_a_non_terminal_list_that_became_terminal_is_not_replayed() -> None:
+    t = torch.ones(1)
+    flat = flatten_with_entries({"l": [t, 1]})
+    assert flat is not None and flat.template is not None
+    # DCP saves [2, 1] as one value, not as l.0 and l.1
+    assert flat.template.replay({"l": [2, 1]}) is None
+    assert list(flatten_state_dict({"l": [2, 1]})[0]) == ["l"]

@@ -1,0 +1,218 @@
+"""DCP's ``flatten_state_dict`` in one pass with the structure entries, and its replay.
+
+:func:`flatten_with_entries` flattens a state dict exactly as DCP does and lists each value's
+plan inputs (:data:`~dcp_plus.planners._fingerprint.Entry`). It also records the traversal
+as a :class:`Template`: the containers' types and keys and each value's flat key and path.
+
+A training job saves the same structure again and again, in new dicts whose keys and values
+are where they were last time. :meth:`Template.replay` checks that: container types and key
+tuples are compared whole (C-level), values are collected without building a key path or
+flat key, and the entries are computed for the recorded paths. It succeeds only when the
+entries equal the recorded ones, which (with equal containers) means DCP's flatten would give
+the recorded keys and paths for these values. On a plan-cache hit that is about 40 % less
+work than the full flatten, most of it memory traffic on caches a training step has evicted.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import _version as _dcp_version
+from torch.distributed.tensor import DTensor
+
+from dcp_plus.planners._fingerprint import Entry, _entry
+
+Path = tuple[str | int, ...]
+
+
+@functools.cache
+def pinning_possible() -> bool:
+    """Whether any tensor of this process can be page-locked (an accelerator is present).
+
+    Without one ``is_pinned()`` is always False; asking costs 0.2 us per tensor, 10 % of a
+    plan-cache hit. Only CPU tensors are ever pinned.
+    """
+    return bool(torch.accelerator.is_available())
+
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+# Leaf types that are certainly neither a Mapping nor a list (skips two ABC checks each).
+_LEAVES = frozenset({DTensor, _Tensor, _Parameter, int, float, str, bool, bytes, type(None)})
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """One container of a flattened state dict, as the flatten walked it."""
+
+    cls: type[Any]
+    keys: tuple[Any, ...] | int
+    """A mapping's keys in order, or a list's length."""
+    key_types: tuple[type, ...] | None
+    """The key types where a key is not a plain ``str`` (``1 == True``, ``str()`` differs)."""
+    children: tuple[Node | None, ...] | None
+    """Per key: the nested container's node, or None for a leaf; None if all are leaves."""
+
+    def collect(self, obj: Any, out: list[Any]) -> bool:
+        """Append ``obj``'s leaves to ``out`` in flatten order if it matches this node."""
+        if type(obj) is not self.cls:
+            return False
+        if isinstance(self.keys, int):
+            if len(obj) != self.keys:
+                return False
+            values = obj
+        else:
+            if tuple(obj) != self.keys:
+                return False
+            if self.key_types is not None and tuple(map(type, obj)) != self.key_types:
+                return False
+            values = obj.values()
+        if self.children is None:
+            out.extend(values)
+            return True
+        for value, child in zip(values, self.children, strict=True):
+            if child is None:
+                out.append(value)
+            elif not child.collect(value, out):
+                return False
+        return True
+
+
+@dataclass
+class Template:
+    """How a state dict of one structure flattens (see the module docstring)."""
+
+    root: Node
+    fqns: tuple[str, ...]
+    paths: tuple[Path, ...]
+    mappings: dict[str, Path]
+    entries: list[Entry]
+
+    def replay(self, state_dict: Mapping[str, Any]) -> Flat | None:
+        """The flatten of ``state_dict`` if it has this structure, else None."""
+        values: list[Any] = []
+        if not self.root.collect(state_dict, values):
+            return None
+        entries, sharded = leaf_entries(self.fqns, self.paths, values)
+        if sharded or entries != self.entries:
+            return None
+        return Flat(dict(zip(self.fqns, values, strict=True)), dict(self.mappings),
+                    entries, False, self)
+
+
+@dataclass
+class Flat:
+    """A state dict flattened exactly as DCP's ``flatten_state_dict`` does, with its entries."""
+
+    state_dict: dict[str, Any]
+    mappings: dict[str, Path]
+    entries: list[Entry]
+    has_sharded: bool
+    template: Template | None = None
+
+
+def leaf_entries(
+    fqns: tuple[str, ...] | list[str], paths: tuple[Path, ...] | list[Path], values: list[Any]
+) -> tuple[list[Entry], bool]:
+    """The entries of flattened values (and whether one is a ShardedTensor).
+
+    Plain DTensors and tensors inline (the hot path); others through ``_entry``. A mapping or
+    a list DCP would flatten further gets an entry no leaf has, so a replay that finds one
+    where a leaf was fails.
+    """
+    entries: list[Entry] = []
+    add = entries.append
+    grad = torch.is_grad_enabled()
+    pin = pinning_possible()
+    sharded = False
+    Tensor, Parameter, DT = _Tensor, _Parameter, DTensor
+    for fqn, path, v in zip(fqns, paths, values, strict=True):
+        tv = type(v)
+        if tv is DT:
+            local = v._local_tensor
+            if type(local) is Tensor:
+                spec = v._spec
+                add(("D", path, v.shape, local.dtype, local.layout,
+                     (v if grad else local).requires_grad,
+                     pin and local.is_cpu and local.is_pinned(),
+                     spec.placements, spec.mesh))
+                continue
+        elif tv is Tensor or tv is Parameter:
+            add(("T", path, v.shape, v.dtype, v.layout, v.requires_grad,
+                 pin and v.is_cpu and v.is_pinned()))
+            continue
+        elif isinstance(v, ShardedTensor):
+            sharded = True
+        elif isinstance(v, Mapping) or (isinstance(v, list) and not is_terminal_list(v)):
+            add(("N", path))
+            continue
+        add(_entry(fqn, path, v, grad))
+    return entries, sharded
+
+
+def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
+    """DCP's ``flatten_state_dict``, the entries of its values and its :class:`Template`.
+
+    Same keys, order, object paths and duplicate-key error as DCP's flatten (nested mappings,
+    lists that hold tensors or mappings; other lists, tuples and values are leaves). Returns
+    None where DCP would use its pre-2.4 traversal (``_version._derived_version == "2_3"``).
+    :class:`~dcp_plus.planners.CachedSavePlanner` checks the result against DCP's own
+    flatten whenever it meets a structure it has not seen before.
+    """
+    if _dcp_version._derived_version == "2_3":
+        return None
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Path] = {}
+    leaves = _LEAVES
+
+    def walk(prefix: str, path: Path, container: Any) -> Node:
+        is_list = isinstance(container, list)
+        items = enumerate(container) if is_list else container.items()
+        children: list[Node | None] = []
+        child = children.append
+        for k, v in items:
+            sk = k if type(k) is str else str(k)
+            p = (*path, k if is_list else sk)
+            tv = type(v)
+            if tv is dict or (tv not in leaves and isinstance(v, Mapping)) or (
+                tv not in leaves and isinstance(v, list) and not is_terminal_list(v)
+            ):
+                child(walk(prefix + sk + ".", p, v))
+                continue
+            fqn = prefix + sk
+            if fqn in flat:
+                raise ValueError(f"duplicated flatten key {fqn}")
+            flat[fqn] = v
+            mappings[fqn] = p
+            child(None)
+        if is_list:
+            keys: tuple[Any, ...] | int = len(container)
+            key_types = None
+        else:
+            keys = tuple(container)
+            key_types = None if all(type(k) is str for k in keys) else tuple(map(type, keys))
+        all_leaves = children.count(None) == len(children)
+        return Node(type(container), keys, key_types, None if all_leaves else tuple(children))
+
+    root = walk("", (), state_dict)
+    fqns, paths = tuple(flat), tuple(mappings.values())
+    entries, sharded = leaf_entries(fqns, paths, list(flat.values()))
+    template = None if sharded else Template(root, fqns, paths, mappings, entries)
+    return Flat(flat, mappings, entries, sharded, template)
+
+
+def is_terminal_list(value: list[Any]) -> bool:
+    """DCP's ``_is_terminal`` for a list: no tensor, no mapping, no non-terminal list inside."""
+    for entry in value:
+        if isinstance(entry, Mapping):
+            return False
+        if isinstance(entry, list) and not is_terminal_list(entry):
+            return False
+        if isinstance(entry, torch.Tensor):
+            return False
+    return True
