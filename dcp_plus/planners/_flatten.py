@@ -16,12 +16,12 @@ work than the full flatten, most of it memory traffic on caches a training step 
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import eq
 from typing import Any
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.tensor import DTensor
 
@@ -98,11 +98,10 @@ class Template:
         values: list[Any] = []
         if not self.root.collect(state_dict, values):
             return None
-        entries, sharded = leaf_entries(self.fqns, self.paths, values)
-        if sharded or entries != self.entries:
+        if not all(map(eq, iter_entries(self.fqns, self.paths, values), self.entries)):
             return None
         return Flat(dict(zip(self.fqns, values, strict=True)), dict(self.mappings),
-                    entries, False, self)
+                    self.entries, False, self)
 
 
 @dataclass
@@ -116,20 +115,18 @@ class Flat:
     template: Template | None = None
 
 
-def leaf_entries(
-    fqns: tuple[str, ...] | list[str], paths: tuple[Path, ...] | list[Path], values: list[Any]
-) -> tuple[list[Entry], bool]:
-    """The entries of flattened values (and whether one is a ShardedTensor).
+def iter_entries(
+    fqns: Sequence[str], paths: Sequence[Path], values: Sequence[Any]
+) -> Iterator[Entry]:
+    """The entries of flattened values, one at a time.
 
     Plain DTensors and tensors inline (the hot path); others through ``_entry``. A mapping or
     a list DCP would flatten further gets an entry no leaf has, so a replay that finds one
-    where a leaf was fails.
+    where a leaf was fails. A generator, so that a replay compares each entry and drops it:
+    10,000 live tuples would set off a few young-generation garbage collections per save.
     """
-    entries: list[Entry] = []
-    add = entries.append
     grad = torch.is_grad_enabled()
     pin = pinning_possible()
-    sharded = False
     Tensor, Parameter, DT = _Tensor, _Parameter, DTensor
     for fqn, path, v in zip(fqns, paths, values, strict=True):
         tv = type(v)
@@ -137,22 +134,19 @@ def leaf_entries(
             local = v._local_tensor
             if type(local) is Tensor:
                 spec = v._spec
-                add(("D", path, v.shape, local.dtype, local.layout,
-                     (v if grad else local).requires_grad,
-                     pin and local.is_cpu and local.is_pinned(),
-                     spec.placements, spec.mesh))
+                yield ("D", path, v.shape, local.dtype, local.layout,
+                       (v if grad else local).requires_grad,
+                       pin and local.is_cpu and local.is_pinned(),
+                       spec.placements, spec.mesh)
                 continue
         elif tv is Tensor or tv is Parameter:
-            add(("T", path, v.shape, v.dtype, v.layout, v.requires_grad,
-                 pin and v.is_cpu and v.is_pinned()))
+            yield ("T", path, v.shape, v.dtype, v.layout, v.requires_grad,
+                   pin and v.is_cpu and v.is_pinned())
             continue
-        elif isinstance(v, ShardedTensor):
-            sharded = True
         elif isinstance(v, Mapping) or (isinstance(v, list) and not is_terminal_list(v)):
-            add(("N", path))
+            yield ("N", path)
             continue
-        add(_entry(fqn, path, v, grad))
-    return entries, sharded
+        yield _entry(fqn, path, v, grad)
 
 
 def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
@@ -201,7 +195,8 @@ def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
 
     root = walk("", (), state_dict)
     fqns, paths = tuple(flat), tuple(mappings.values())
-    entries, sharded = leaf_entries(fqns, paths, list(flat.values()))
+    entries = list(iter_entries(fqns, paths, list(flat.values())))
+    sharded = any(e[0] == "S" for e in entries)
     template = None if sharded else Template(root, fqns, paths, mappings, entries)
     return Flat(flat, mappings, entries, sharded, template)
 
