@@ -225,6 +225,8 @@ class PlanCache:
         self.in_flight = False
         self.hits = 0
         self.misses = 0
+        self.replays = 0
+        """Saves whose flatten was a template replay (see ``_flatten.py``)."""
         self.last_hit = False
 
     def clear(self) -> None:
@@ -244,6 +246,7 @@ class PlanCache:
             if flat is not None:
                 if i:
                     self.structures.insert(0, self.structures.pop(i))
+                self.replays += 1
                 return flat, key
         return None
 

@@ -338,6 +338,17 @@ def test_a_replay_refuses_a_changed_structure(name: str) -> None:
     assert fresh is not None and fresh.entries != flat.entries
 
 
+def test_a_hit_on_a_rebuilt_state_dict_is_a_replay(tmp_path: Path) -> None:
+    sd, planner = _sd(), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    assert planner.cache.replays == 0
+    _save(_rebuilt(sd), tmp_path / "1", planner)
+    assert planner.last_was_hit and planner.cache.replays == 1
+    sd["model"]["w0"] = sd["model"]["w0"].double()
+    _save(_rebuilt(sd), tmp_path / "2", planner)
+    assert not planner.last_was_hit and planner.cache.replays == 1
+
+
 def test_a_new_container_type_is_not_replayed_but_the_structure_still_hits(
     tmp_path: Path,
 ) -> None:
