@@ -14,6 +14,8 @@ interleaved save by save so that load drift hits all alike:
 * ``dcp_cached``: ``DefaultSavePlanner(enable_plan_caching=True)`` (DCP's own plan cache)
 * ``cached_save``: ``CachedSavePlanner()``
 * ``cached_save_local``: ``CachedSavePlanner()`` with dcp_plus's ``LocalWriter`` (an extra row)
+* ``exchange``: no save, only the two object collectives of DCP's plan step with a hit-sized
+  payload, timed like a plan step: the floor under any planner on this machine
 
 The first three write with a stock ``FileSystemWriter(sync_files=False)`` (like for like);
 the last with ``LocalWriter(fsync=False)``, whose write-result gather is O(1) per rank.
@@ -43,6 +45,7 @@ import itertools
 import json
 import logging
 import os
+import pickle
 import shutil
 import statistics
 import sys
@@ -64,13 +67,16 @@ from tests.dist._planner_world import CollectiveBytes, run_world, save_phases
 
 log = logging.getLogger("benchmarks.planner")
 
-PLANNERS = ("dcp_default", "dcp_cached", "cached_save", "cached_save_local")
+PLANNERS = ("dcp_default", "dcp_cached", "cached_save", "cached_save_local", "exchange")
 LABELS = {
     "dcp_default": "DefaultSavePlanner",
     "dcp_cached": "DefaultSavePlanner(enable_plan_caching=True)",
     "cached_save": "CachedSavePlanner",
     "cached_save_local": "CachedSavePlanner + LocalWriter",
+    "exchange": "floor: DCP's plan exchange alone",
 }
+EXCHANGE_BYTES = 162
+"""Payload of the ``exchange`` row: what a CachedSavePlanner hit sends in the plan gather."""
 PHASES = ("plan_gather", "plan_scatter", "write_gather", "metadata_broadcast")
 PLAN_TARGET = 0.1
 SAVE_TARGET = 0.5
@@ -94,6 +100,8 @@ class _Timed:
 
 def make_planner(name: str, tag: str) -> Any:
     """A timed planner; DCP's cache is keyed by class name, so each run gets its own class."""
+    if name == "exchange":
+        return None
     if name == "dcp_default":
         return type(f"TimedDefault_{tag}", (_Timed, DefaultSavePlanner), {})()
     if name == "dcp_cached":
@@ -127,6 +135,19 @@ def state_dict(n: int, world: int, placement: str = "mixed") -> dict[str, Any]:
     return {"model": sd}
 
 
+def plan_exchange(rank: int, world: int) -> float:
+    """Seconds for the collectives of DCP's plan step alone (``_DistWrapper.reduce_scatter``:
+    ``gather_object`` to rank 0, then ``scatter_object_list``) with a hit-sized payload, in
+    the same place of the loop as a save: the floor under any planner's plan step."""
+    payload = b"x" * (EXCHANGE_BYTES - len(pickle.dumps(b"")))  # pickled: EXCHANGE_BYTES
+    t0 = time.perf_counter()
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(payload, gathered, dst=0)
+    reply: list[Any] = [None]
+    dist.scatter_object_list(reply, [payload] * world if rank == 0 else None, src=0)
+    return time.perf_counter() - t0
+
+
 def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     sd = state_dict(cfg["tensors"], world, cfg["placement"])
@@ -147,6 +168,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
                 profiled = prof is not None and name == "cached_save" and i > 0
                 if profiled:
                     prof.enable()  # type: ignore[union-attr]
+                if planner is None:
+                    s = plan_exchange(rank, world)
+                    out[name].append({"plan_s": s, "save_s": s, "hit": None,
+                                      "bytes": save_phases(counter.take())})
+                    continue
                 t0 = time.perf_counter()
                 dcp.save(sd, storage_writer=make_writer(name, f"{root}/{name}_{i}"),
                          planner=planner)
@@ -258,10 +284,10 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
               f"Targets: plan step <= {PLAN_TARGET}x and whole save <= {SAVE_TARGET}x "
               "DCP's cached planner, both with the stock `FileSystemWriter`.", "",
               "| config | load avg | other procs (cores) | plan: ours / DCP cached "
-              "| save: ours / DCP cached "
+              "| plan: floor / DCP cached | save: ours / DCP cached "
               "| plan: ours / DCP default | save: ours / DCP default "
               "| save: ours + LocalWriter / DCP cached |",
-              "|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in configs:
         r = c["results"]
         if "cached_save" not in r or "dcp_cached" not in r:
@@ -275,6 +301,9 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
             x = mine[key] / _med(r[ref], key)[0]
             mark = "" if target is None else (" ✓" if x <= target else " ✗")
             return f"{x:.3f}x{mark}"
+        floor = "–"
+        if "exchange" in r:
+            floor = ratio("dcp_cached", "plan_s", mine={"plan_s": _med(r["exchange"], "plan_s")[0]})
         local = "–"
         if "cached_save_local" in r:
             mine = {"save_s": _med(r["cached_save_local"], "save_s")[0]}
@@ -282,7 +311,7 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
         lines.append(
             f"| {_cfg_name(c)} | {c['load_before']:.2f}–{c['load_after']:.2f} "
             f"| {'?' if c['foreign_cores'] is None else format(c['foreign_cores'], '.2f')} "
-            f"| {ratio('dcp_cached', 'plan_s', PLAN_TARGET)} "
+            f"| {ratio('dcp_cached', 'plan_s', PLAN_TARGET)} | {floor} "
             f"| {ratio('dcp_cached', 'save_s', SAVE_TARGET)} "
             f"| {ratio('dcp_default', 'plan_s')} | {ratio('dcp_default', 'save_s')} | {local} |")
     groups: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
