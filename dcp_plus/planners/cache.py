@@ -18,6 +18,7 @@ PROCESS-mode daemon on every save finds the cache it built there on earlier save
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 import weakref
 from collections import OrderedDict
@@ -216,7 +217,10 @@ class PlanCache:
         self.capacity = capacity
         self.seen: LRU[bytes, bool] = LRU(capacity)
         self.finals: LRU[bytes, tuple[SavePlan, Metadata]] = LRU(capacity)
-        self.mirror: dict[int, LRU[bytes, SavePlan]] = {}
+        self.mirror: dict[int, LRU[bytes, bytes]] = {}
+        """Per rank: local digest -> that rank's local plan, pickled. Read only when some
+        rank's structure changed; as live dataclasses it would be several GC-tracked
+        objects per item and rank, traversed by every full collection of the trainer."""
         self.globals: LRU[bytes, GlobalEntry] = LRU(capacity)
         self.structures: list[tuple[list[Any], bytes, Template | None]] = []
         """(structure entries, their digest, how such a state dict flattens), most recently
@@ -271,7 +275,13 @@ class PlanCache:
         self.structures.insert(0, (entries, key, template))
         del self.structures[self.capacity:]
 
-    def mirror_of(self, rank: int) -> LRU[bytes, SavePlan]:
+    def mirrored_plan(self, rank: int, key: bytes) -> SavePlan | None:
+        """The local plan ``rank`` sent under ``key``, if the coordinator holds it."""
+        data = self.mirror_of(rank).peek(key)
+        # Our own pickle, made in this process by commit(): never data from elsewhere.
+        return None if data is None else pickle.loads(data)
+
+    def mirror_of(self, rank: int) -> LRU[bytes, bytes]:
         """The coordinator's copy of what ``rank`` has sent."""
         m = self.mirror.get(rank)
         if m is None:
@@ -294,7 +304,7 @@ class PlanCache:
         for rank, key, plan in p.mirror:
             m = self.mirror_of(rank)
             if plan is not None:
-                m.put(key, plan)
+                m.put(key, pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
             else:
                 m.get(key)
         if p.global_entry is not None:

@@ -281,7 +281,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         local_plans = []
         for rank, p in enumerate(plans):
             if p.kind == HIT:
-                known = cache.mirror_of(rank).peek(p.key)
+                known = cache.mirrored_plan(rank, p.key)
                 if known is None:
                     raise PlanCacheError(
                         f"rank {rank} sent plan-cache key {p.key.hex()} that the coordinator "
@@ -347,6 +347,10 @@ class CachedSavePlanner(DefaultSavePlanner):
             plan = plain_plan(new_plan)
             if new_plan.metadata is not None:
                 pending.final = (plan, new_plan.metadata)
+                if pending.global_entry is not None:
+                    # The coordinator keeps one structure Metadata: the copy its own reply
+                    # brought through the scatter, which (unpickled) shares equal objects.
+                    pending.global_entry.metadata = new_plan.metadata
             cache.misses += 1
             cache.last_hit = False
         cache.commit()

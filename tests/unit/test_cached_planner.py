@@ -379,3 +379,20 @@ def test_a_non_terminal_list_that_became_terminal_is_not_replayed() -> None:
     # DCP saves [2, 1] as one value, not as l.0 and l.1
     assert flat.template.replay({"l": [2, 1]}) is None
     assert list(flatten_state_dict({"l": [2, 1]})[0]) == ["l"]
+
+
+def test_the_coordinator_keeps_local_plans_pickled_and_one_structure_metadata(
+    tmp_path: Path,
+) -> None:
+    sd, planner = _sd(20), CachedSavePlanner()
+    _save(sd, tmp_path / "0", planner)
+    cache = planner.cache
+    (key,) = cache.mirror[0].keys()
+    assert isinstance(cache.mirror[0].peek(key), bytes)  # one untracked object, not a dataclass per item
+    plan = cache.mirrored_plan(0, key)
+    assert plan is not None and len(plan.items) == 21  # 20 tensors and "step"
+    (final_key,) = cache.finals.keys()
+    (global_key,) = cache.globals.keys()
+    final = cache.finals.peek(final_key)
+    entry = cache.globals.peek(global_key)
+    assert final is not None and entry is not None and entry.metadata is final[1]
