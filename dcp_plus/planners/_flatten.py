@@ -197,7 +197,7 @@ def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
     fqns, paths = tuple(flat), tuple(mappings.values())
     entries = list(iter_entries(fqns, paths, list(flat.values())))
     sharded = any(e[0] == "S" for e in entries)
-    template = None if sharded else Template(root, fqns, paths, mappings, entries)
+    template = None if sharded else Template(root, fqns, paths, dict(mappings), entries)
     return Flat(flat, mappings, entries, sharded, template)
 
 
