@@ -96,7 +96,35 @@ class CachePlan(SavePlan):
 
     key: bytes = b""
     kind: str = FULL
-    metadata: Metadata | None = None
+    metadata: Metadata | PickledOnce | None = None
+
+    def structure(self) -> Metadata | None:
+        """The structure ``metadata`` of a ``FULL`` reply, however it travelled."""
+        md = self.metadata
+        return md.value if isinstance(md, PickledOnce) else md
+
+
+class PickledOnce:
+    """A value that every message carrying it shares one pickle of.
+
+    A miss replies to every rank with its final plan and the same structure ``Metadata``
+    (O(tensors x chunks)); DCP's scatter pickles each reply on its own, so without this the
+    coordinator would pickle that metadata once per rank. Unpickles as the value itself.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+        self._data: bytes | None = None
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        if self._data is None:
+            self._data = pickle.dumps(self.value, protocol=pickle.HIGHEST_PROTOCOL)
+        return (_unpickle_shared, (self._data,))
+
+
+def _unpickle_shared(data: bytes) -> Any:
+    # Bytes of the coordinator's PickledOnce, inside the payload DCP's scatter unpickles.
+    return pickle.loads(data)
 
 
 def plain_plan(plan: SavePlan, **changes: Any) -> SavePlan:

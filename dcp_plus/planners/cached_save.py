@@ -39,6 +39,7 @@ from dcp_plus.planners.cache import (
     CachePlan,
     GlobalEntry,
     Pending,
+    PickledOnce,
     PlanCache,
     plain_plan,
     register,
@@ -295,6 +296,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         global_plan, metadata = self._create_global_plan(local_plans)
         struct = structure_metadata(metadata)
         pending.global_entry = GlobalEntry(keys, struct)
+        shared = PickledOnce(struct)
         replies = [
             CachePlan(
                 g.items,
@@ -302,7 +304,7 @@ class CachedSavePlanner(DefaultSavePlanner):
                 planner_data=g.planner_data,
                 key=global_key,
                 kind=FULL,
-                metadata=struct,
+                metadata=shared,
             )
             for g in global_plan
         ]
@@ -345,12 +347,13 @@ class CachedSavePlanner(DefaultSavePlanner):
             cache.last_hit = True
         else:
             plan = plain_plan(new_plan)
-            if new_plan.metadata is not None:
-                pending.final = (plan, new_plan.metadata)
+            structure = new_plan.structure()
+            if structure is not None:
+                pending.final = (plan, structure)
                 if pending.global_entry is not None:
                     # The coordinator keeps one structure Metadata: the copy its own reply
                     # brought through the scatter, which (unpickled) shares equal objects.
-                    pending.global_entry.metadata = new_plan.metadata
+                    pending.global_entry.metadata = structure
             cache.misses += 1
             cache.last_hit = False
         cache.commit()

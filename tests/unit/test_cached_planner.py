@@ -396,3 +396,26 @@ def test_the_coordinator_keeps_local_plans_pickled_and_one_structure_metadata(
     final = cache.finals.peek(final_key)
     entry = cache.globals.peek(global_key)
     assert final is not None and entry is not None and entry.metadata is final[1]
+
+
+class _CountsPickles:
+    pickled = 0
+
+    def __init__(self, payload: str) -> None:
+        self.payload = payload
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        _CountsPickles.pickled += 1
+        return (_CountsPickles, (self.payload,))
+
+
+def test_every_reply_shares_one_pickle_of_the_structure_metadata() -> None:
+    from dcp_plus.planners.cache import CachePlan, PickledOnce
+
+    _CountsPickles.pickled = 0
+    shared = PickledOnce(_CountsPickles("structure"))
+    replies = [CachePlan([], key=b"k", metadata=shared) for _ in range(8)]
+    received = [pickle.loads(pickle.dumps(r)) for r in replies]  # DCP's scatter, per rank
+    assert _CountsPickles.pickled == 1
+    assert all(r.structure().payload == "structure" for r in received)  # type: ignore[union-attr]
+    assert replies[0].structure() is shared.value  # not pickled at all (no_dist)
