@@ -51,10 +51,8 @@ class Node:
     """One container of a flattened state dict, as the flatten walked it."""
 
     cls: type[Any]
-    keys: tuple[Any, ...] | int
-    """A mapping's keys in order, or a list's length."""
-    key_types: tuple[type, ...] | None
-    """The key types where a key is not a plain ``str`` (``1 == True``, ``str()`` differs)."""
+    keys: tuple[str, ...] | int
+    """A mapping's keys as DCP names them (``str(key)``), in order, or a list's length."""
     children: tuple[Node | None, ...] | None
     """Per key: the nested container's node, or None for a leaf; None if all are leaves."""
 
@@ -67,9 +65,10 @@ class Node:
                 return False
             values = obj
         else:
-            if tuple(obj) != self.keys:
-                return False
-            if self.key_types is not None and tuple(map(type, obj)) != self.key_types:
+            # DCP's flat keys and paths hold str(key), not the key: 1 and True, an enum and
+            # its value, or 0.0 and -0.0 are equal keys with other names. str() of a plain
+            # str returns it, so for the usual keys this is one C-level pass.
+            if tuple(map(str, obj)) != self.keys:
                 return False
             values = obj.values()
         if self.children is None:
@@ -184,14 +183,9 @@ def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
             flat[fqn] = v
             mappings[fqn] = p
             child(None)
-        if is_list:
-            keys: tuple[Any, ...] | int = len(container)
-            key_types = None
-        else:
-            keys = tuple(container)
-            key_types = None if all(type(k) is str for k in keys) else tuple(map(type, keys))
+        keys = len(container) if is_list else tuple(map(str, container))
         all_leaves = children.count(None) == len(children)
-        return Node(type(container), keys, key_types, None if all_leaves else tuple(children))
+        return Node(type(container), keys, None if all_leaves else tuple(children))
 
     root = walk("", (), state_dict)
     fqns, paths = tuple(flat), tuple(mappings.values())

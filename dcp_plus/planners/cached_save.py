@@ -304,9 +304,11 @@ class CachedSavePlanner(DefaultSavePlanner):
                 planner_data=g.planner_data,
                 key=global_key,
                 kind=FULL,
-                metadata=shared,
+                # The coordinator's own reply goes through DCP's scatter too: it keeps
+                # ``struct`` instead of unpickling a copy.
+                metadata=None if p.key == pending.local_key else shared,
             )
-            for g in global_plan
+            for g, p in zip(global_plan, plans, strict=True)
         ]
         md = CachedMetadata.for_save(struct, global_key)
         self.global_plan, self.metadata = replies, md
@@ -348,12 +350,10 @@ class CachedSavePlanner(DefaultSavePlanner):
         else:
             plan = plain_plan(new_plan)
             structure = new_plan.structure()
+            if structure is None and pending.global_entry is not None:
+                structure = pending.global_entry.metadata  # the coordinator's own reply
             if structure is not None:
                 pending.final = (plan, structure)
-                if pending.global_entry is not None:
-                    # The coordinator keeps one structure Metadata: the copy its own reply
-                    # brought through the scatter, which (unpickled) shares equal objects.
-                    pending.global_entry.metadata = structure
             cache.misses += 1
             cache.last_hit = False
         cache.commit()

@@ -140,7 +140,18 @@ def _case_one_rank_changes(rank: int, world: int, root: str) -> dict[str, Any]:
         dcp.save(sd, storage_writer=FileSystemWriter(f"{root}/one_{i}"), planner=planner)
         hits.append(planner.last_was_hit)
     keys = sorted(_record(f"{root}/one_3").state_dict_metadata)
-    return {"hits": hits, "has_extra": "model.extra" in keys}
+    cache = planner.cache
+    structure = cache.finals.peek(cache.finals.keys()[-1])[1]  # type: ignore[index]  # latest
+    held = {
+        # the coordinator: every rank's local plan pickled, one structure Metadata per key
+        "mirror_pickled": all(isinstance(m.peek(k), bytes)
+                              for m in cache.mirror.values() for k in m.keys()),
+        "mirror_ranks": sorted(cache.mirror),
+        "one_metadata": all(cache.globals.peek(k).metadata is cache.finals.peek(k)[1]
+                            for k in cache.globals.keys()),
+        "structure_has_extra": "model.extra" in structure.state_dict_metadata,
+    }
+    return {"hits": hits, "has_extra": "model.extra" in keys, "held": held}
 
 
 def _case_dtype(rank: int, world: int, root: str) -> dict[str, list[str]]:
@@ -343,6 +354,10 @@ def test_structure_change_on_one_rank_replans_on_all(world2):
     for r in world2:
         assert r["one_rank"]["hits"] == [False, True, False, True]
         assert r["one_rank"]["has_extra"]
+        assert r["one_rank"]["held"]["structure_has_extra"]
+    coordinator = world2[0]["one_rank"]["held"]
+    assert coordinator["mirror_pickled"] and coordinator["mirror_ranks"] == [0, 1]
+    assert coordinator["one_metadata"]
 
 
 def test_dtype_and_shape_change_reach_the_record_where_stock_cache_keeps_float32(world2):

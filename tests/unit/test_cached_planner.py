@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import gc
 import pickle
 import warnings
@@ -364,12 +365,31 @@ def test_a_new_container_type_is_not_replayed_but_the_structure_still_hits(
     assert planner.cache.structures[0][2].replay(od) is not None
 
 
-def test_a_replay_tells_an_int_key_from_an_equal_bool_key() -> None:
+class _StrEnum(str, enum.Enum):
+    A = "a"  # == "a", but str() (DCP's key name) is "_StrEnum.A" on Python 3.11
+
+
+@pytest.mark.parametrize(
+    ("recorded", "new"),
+    [(1, True), ("a", _StrEnum.A), (0.0, -0.0)],
+    ids=["int-bool", "str-enum", "zero-negative-zero"],
+)
+def test_a_replay_refuses_an_equal_key_with_another_name(recorded: Any, new: Any) -> None:
     t = torch.ones(1)
-    flat = flatten_with_entries({"state": {1: t}})
+    flat = flatten_with_entries({"state": {recorded: t}})
     assert flat is not None and flat.template is not None
-    assert flat.template.replay({"state": {1: t}}) is not None
-    assert flat.template.replay({"state": {True: t}}) is None  # 1 == True, "1" != "True"
+    assert recorded == new and str(recorded) != str(new)
+    assert flat.template.replay({"state": {recorded: t}}) is not None
+    assert flat.template.replay({"state": {new: t}}) is None
+    assert list(flatten_state_dict({"state": {new: t}})[0]) == [f"state.{new}"]
+
+
+def test_a_replay_of_tensor_keys_does_not_raise() -> None:
+    t, k1, k2 = torch.ones(1), torch.arange(2), torch.arange(2) + 1
+    flat = flatten_with_entries({"m": {k1: t}})
+    assert flat is not None and flat.template is not None
+    assert flat.template.replay({"m": {k1: t}}) is not None
+    assert flat.template.replay({"m": {k2: t}}) is None
 
 
 def test_a_non_terminal_list_that_became_terminal_is_not_replayed() -> None:
