@@ -352,6 +352,8 @@ class CachedSavePlanner(DefaultSavePlanner):
             structure = new_plan.structure()
             if structure is None and pending.global_entry is not None:
                 structure = pending.global_entry.metadata  # the coordinator's own reply
+                # The replies hold the metadata's pickle (MBs) for no one after the scatter.
+                self.global_plan = [plain_plan(p) for p in self.global_plan]
             if structure is not None:
                 pending.final = (plan, structure)
             cache.misses += 1
