@@ -51,7 +51,7 @@ themselves (``torch.Size``, dtypes, placements, device meshes), so that comparin
 structures is a C-level list comparison that mostly compares by identity."""
 
 
-def _entry(fqn: str, key: Any, obj: Any, grad: bool) -> Entry:
+def value_entry(fqn: str, key: Any, obj: Any, grad: bool) -> Entry:
     """What the write items of ``obj`` depend on (never its values); mirrors DCP's
     ``_create_write_items`` and ``create_default_local_save_plan``."""
     if isinstance(obj, DTensor):
@@ -84,8 +84,8 @@ def structure_entries(
     """The entries of an already flattened ``state_dict`` (``mappings``: DCP's flatten map)."""
     grad = torch.is_grad_enabled()
     if mappings:
-        return [_entry(fqn, mappings.get(fqn, fqn), obj, grad) for fqn, obj in state_dict.items()]
-    return [_entry(fqn, fqn, obj, grad) for fqn, obj in state_dict.items()]
+        return [value_entry(fqn, mappings.get(fqn, fqn), obj, grad) for fqn, obj in state_dict.items()]
+    return [value_entry(fqn, fqn, obj, grad) for fqn, obj in state_dict.items()]
 
 
 def _mesh_key(mesh: Any) -> tuple[Any, ...]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import eq
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.tensor import DTensor
 
-from dcp_plus.planners._fingerprint import Entry, _entry
+from dcp_plus.planners._fingerprint import Entry, value_entry
 
 Path = tuple[str | int, ...]
 
@@ -87,10 +87,15 @@ class Template:
     """How a state dict of one structure flattens (see the module docstring)."""
 
     root: Node
-    fqns: tuple[str, ...]
-    paths: tuple[Path, ...]
     mappings: dict[str, Path]
+    """Flat key -> object path, in flatten order (DCP's flatten mapping); the template's own."""
     entries: list[Entry]
+    fqns: tuple[str, ...] = field(init=False)
+    paths: tuple[Path, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # As tuples once: every replay zips them with the values.
+        self.fqns, self.paths = tuple(self.mappings), tuple(self.mappings.values())
 
     def replay(self, state_dict: Mapping[str, Any]) -> Flat | None:
         """The flatten of ``state_dict`` if it has this structure, else None."""
@@ -119,7 +124,7 @@ def iter_entries(
 ) -> Iterator[Entry]:
     """The entries of flattened values, one at a time.
 
-    Plain DTensors and tensors inline (the hot path); others through ``_entry``. A mapping or
+    Plain DTensors and tensors inline (the hot path); others through ``value_entry``. A mapping or
     a list DCP would flatten further gets an entry no leaf has, so a replay that finds one
     where a leaf was fails. A generator, so that a replay compares each entry and drops it:
     10,000 live tuples would set off a few young-generation garbage collections per save.
@@ -142,10 +147,10 @@ def iter_entries(
             yield ("T", path, v.shape, v.dtype, v.layout, v.requires_grad,
                    pin and v.is_cpu and v.is_pinned())
             continue
-        elif isinstance(v, Mapping) or (isinstance(v, list) and not is_terminal_list(v)):
+        elif flattens_further(v):
             yield ("N", path)
             continue
-        yield _entry(fqn, path, v, grad)
+        yield value_entry(fqn, path, v, grad)
 
 
 def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
@@ -172,9 +177,7 @@ def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
             sk = k if type(k) is str else str(k)
             p = (*path, k if is_list else sk)
             tv = type(v)
-            if tv is dict or (tv not in leaves and isinstance(v, Mapping)) or (
-                tv not in leaves and isinstance(v, list) and not is_terminal_list(v)
-            ):
+            if tv is dict or (tv not in leaves and flattens_further(v)):
                 child(walk(prefix + sk + ".", p, v))
                 continue
             fqn = prefix + sk
@@ -188,11 +191,18 @@ def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
         return Node(type(container), keys, None if all_leaves else tuple(children))
 
     root = walk("", (), state_dict)
-    fqns, paths = tuple(flat), tuple(mappings.values())
-    entries = list(iter_entries(fqns, paths, list(flat.values())))
+    entries = list(iter_entries(tuple(flat), tuple(mappings.values()), list(flat.values())))
     sharded = any(e[0] == "S" for e in entries)
-    template = None if sharded else Template(root, fqns, paths, dict(mappings), entries)
+    template = None if sharded else Template(root, dict(mappings), entries)
     return Flat(flat, mappings, entries, sharded, template)
+
+
+def flattens_further(value: Any) -> bool:
+    """Whether DCP's flatten descends into ``value`` (a mapping, or a list that holds a
+    tensor, a mapping or such a list) instead of keeping it as one value."""
+    if isinstance(value, Mapping):
+        return True
+    return isinstance(value, list) and not is_terminal_list(value)
 
 
 def is_terminal_list(value: list[Any]) -> bool:

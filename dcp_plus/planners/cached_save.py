@@ -311,7 +311,8 @@ class CachedSavePlanner(DefaultSavePlanner):
             for g, p in zip(global_plan, plans, strict=True)
         ]
         md = CachedMetadata.for_save(struct, global_key)
-        self.global_plan, self.metadata = replies, md
+        # DCP's plans, not the replies: those hold the metadata's pickle (MBs) once sent.
+        self.global_plan, self.metadata = global_plan, md
         return replies, md
 
     def _plan_uncached(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
@@ -352,8 +353,6 @@ class CachedSavePlanner(DefaultSavePlanner):
             structure = new_plan.structure()
             if structure is None and pending.global_entry is not None:
                 structure = pending.global_entry.metadata  # the coordinator's own reply
-                # The replies hold the metadata's pickle (MBs) for no one after the scatter.
-                self.global_plan = [plain_plan(p) for p in self.global_plan]
             if structure is not None:
                 pending.final = (plan, structure)
             cache.misses += 1
