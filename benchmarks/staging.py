@@ -15,6 +15,7 @@ disk with DCP's ``FileSystemWriter``, reporting step-time overhead against no ch
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import os
@@ -377,16 +378,20 @@ def part_b(
             P,
         ),
     ]
+    def overhead(block: Callable[[], float]) -> str:
+        """Step-time overhead of ``block`` as a table cell. The VM's speed drifts by tens of
+        percent within a minute, so the figure is the median over ``pairs`` of (the block /
+        a no-checkpoint block right before it), with each pair's value in brackets."""
+        ratios = []
+        for _ in range(pairs):
+            base = run(None, None)
+            ratios.append(block() / base)
+        med = statistics.median(ratios)
+        spread = ", ".join(f"{(r - 1) * 100:+.0f}" for r in ratios)
+        return f"{(med - 1) * 100:+.1f}% ({spread})"
+
     if not only or any(o in "memcpy limit" for o in only):
-        cells = []
-        for every in intervals:
-            ratios = []
-            for _ in range(pairs):
-                base = run(None, None)
-                ratios.append(run_limit(every) / base)
-            med = statistics.median(ratios)
-            spread = ", ".join(f"{(r - 1) * 100:+.0f}" for r in ratios)
-            cells.append(f"{(med - 1) * 100:+.1f}% ({spread})")
+        cells = [overhead(functools.partial(run_limit, every)) for every in intervals]
         print("| memcpy limit (snapshot copy only, no persist) | – | – | " + " | ".join(cells)
               + " |", flush=True)
         limit_dst.clear()
@@ -404,16 +409,9 @@ def part_b(
             continue
         cells = []
         for every in intervals:
-            # The VM's speed drifts by tens of percent within a minute, so each figure is the
-            # median over `pairs` of (checkpointing block / no-checkpoint block right before).
-            ratios = []
             try:
-                for _ in range(pairs):
-                    base = run(None, None)
-                    ratios.append(run(every, stager, writer, kind, guard is not None) / base)
-                med = statistics.median(ratios)
-                spread = ", ".join(f"{(r - 1) * 100:+.0f}" for r in ratios)
-                cells.append(f"{(med - 1) * 100:+.1f}% ({spread})")
+                cells.append(overhead(
+                    functools.partial(run, every, stager, writer, kind, guard is not None)))
             except (Exception, torch.distributed.checkpoint.api.CheckpointException) as e:
                 # one broken stager must not hide the other rows (DCP raises a BaseException)
                 cells.append(f"failed: {type(e).__name__}")
