@@ -31,6 +31,12 @@ or a straggling rank left by the previous planner's save. Per save, per rank:
 * bytes: the largest pickled payload the rank puts into each of DCP's four object collectives
   (plan gather, plan scatter, write-result gather, metadata broadcast).
 
+``--pin-cpus`` binds each rank (all its threads) to CPU ``rank % cpus``, as a launcher
+binds ranks to their own cores. On a host with fewer cores than threads this changes where a
+collective's wakeups run: unpinned, the scheduler wakes a waiting rank's gloo threads on the
+core where the coordinator already writes, and the last plan-scatter receive then waits out
+the writer's time slice (2-4 ms on the 2-core dev VM, seen in per-phase timestamps).
+
 A save's figure is its slowest rank's. Reported: the first save, and the median (min-max) of
 saves 2..N; ratios are CachedSavePlanner's medians over DCP's cached planner's.
 """
@@ -38,6 +44,7 @@ saves 2..N; ratios are CachedSavePlanner's medians over DCP's cached planner's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import datetime
 import gc
@@ -148,8 +155,18 @@ def plan_exchange(rank: int, world: int) -> float:
     return time.perf_counter() - t0
 
 
+def pin_to_cpu(cpu: int) -> None:
+    """Bind every thread of this process (gloo's included) and those it starts to ``cpu``."""
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that has just ended
+            os.sched_setaffinity(int(tid), {cpu})
+
+
 def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
+    if cfg.get("pin"):
+        cpus = sorted(os.sched_getaffinity(0))
+        pin_to_cpu(cpus[rank % len(cpus)])
     sd = state_dict(cfg["tensors"], world, cfg["placement"])
     counter = CollectiveBytes()
     tag = f"{world}_{cfg['tensors']}_{cfg['placement']}"
@@ -235,11 +252,12 @@ def _s(v: tuple[float, float, float]) -> str:
 
 
 def _cfg_name(c: dict[str, Any]) -> str:
-    return f"{c['ranks']} x {c['tensors']:,} {c['placement']}"
+    pinned = ", pinned" if c.get("pin") else ""
+    return f"{c['ranks']} x {c['tensors']:,} {c['placement']}{pinned}"
 
 
 def _order(c: dict[str, Any]) -> tuple[Any, ...]:
-    return (c["ranks"], c["tensors"], c["placement"])
+    return (c["ranks"], c["tensors"], c["placement"], bool(c.get("pin")))
 
 
 def merge(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -316,14 +334,14 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
             f"| {ratio('dcp_default', 'plan_s')} | {ratio('dcp_default', 'save_s')} | {local} |")
     groups: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
     for c in configs:
-        groups.setdefault((c["ranks"], c["placement"]), {})[c["tensors"]] = c
+        groups.setdefault((c["ranks"], c["placement"], bool(c.get("pin"))), {})[c["tensors"]] = c
     grown = [(k, v) for k, v in groups.items() if len(v) > 1]
     if grown:
         lines += ["", "### Collective bytes on a hit vs tensor count (largest payload, "
                   "saves 2..N)", "",
                   "| ranks, placement | planner | " + " | ".join(PHASES) + " |",
                   "|---|---|" + "---|" * len(PHASES)]
-        for (ranks, placement), by_n in grown:
+        for (ranks, placement, pinned), by_n in grown:
             ns = sorted(by_n)
             for name in PLANNERS:
                 if not all(name in by_n[n]["results"] for n in ns):
@@ -333,7 +351,8 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
                     vals = [max(x["bytes"][k] for x in by_n[n]["results"][name][1:])
                             for n in ns]
                     cells.append(" / ".join(f"{v:,}" for v in vals))
-                lines.append(f"| {ranks}, {placement} ({' / '.join(f'{n:,}' for n in ns)} "
+                lines.append(f"| {ranks}, {placement}{', pinned' if pinned else ''} "
+                             f"({' / '.join(f'{n:,}' for n in ns)} "
                              f"tensors) | {LABELS[name]} | " + " | ".join(cells) + " |")
     return lines
 
@@ -350,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sync", default="barrier-gc", choices=["barrier-gc", "barrier", "none"],
                         help="before each save: gc.collect() and a barrier (default), a "
                              "barrier only, or nothing")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="bind rank r to CPU r %% cpus (see the module docstring)")
     parser.add_argument("--quick", action="store_true",
                         help="2 ranks x 3,000 mixed DTensors, 4 saves")
     parser.add_argument("--dir", help="parent of the temporary checkpoint directories")
@@ -379,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     for ranks, n, placement in itertools.product(args.ranks, args.tensors, args.placements):
         cfg = {"ranks": ranks, "tensors": n, "placement": placement, "saves": args.saves,
                "planners": args.planners, "sync": args.sync, "dir": args.dir,
-               "profile": args.profile}
+               "profile": args.profile, "pin": args.pin_cpus}
         log.info("%s: %d saves x %d planners ...", _cfg_name(cfg), args.saves,
                  len(args.planners))
         res = run(cfg)

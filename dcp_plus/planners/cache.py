@@ -104,6 +104,40 @@ class CachePlan(SavePlan):
         return md.value if isinstance(md, PickledOnce) else md
 
 
+@dataclass(frozen=True)
+class LocalCachePlan(CachePlan):
+    """A rank's ``FULL`` local plan: it travels to the coordinator as its own pickle.
+
+    The coordinator keeps a miss's local plans pickled (its ``mirror``); DCP's gather has just
+    unpickled them from the bytes the ranks sent. Pickled, this plan puts its stock
+    ``SavePlan`` part (items, planner data; no storage data) into one inner pickle, and the
+    unpickled plan keeps those bytes (:meth:`received_pickle`), so the coordinator stores them
+    instead of pickling every rank's plan again (0.3 s per rank at 10,000 items).
+    """
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        inner = pickle.dumps(
+            plain_plan(self, storage_data=None), protocol=pickle.HIGHEST_PROTOCOL
+        )
+        return (_rebuild_local_plan, (inner, self.storage_data, self.key, self.kind))
+
+    def received_pickle(self) -> bytes | None:
+        """The inner pickle this plan was rebuilt from, or None if it was never pickled."""
+        data: bytes | None = self.__dict__.get("_pickle")
+        return data
+
+
+def _rebuild_local_plan(inner: bytes, storage_data: Any, key: bytes, kind: str) -> LocalCachePlan:
+    # Called while DCP's gather unpickles a rank's payload: the inner bytes are part of it.
+    plan: SavePlan = pickle.loads(inner)
+    out = LocalCachePlan(
+        plan.items, storage_data=storage_data, planner_data=plan.planner_data,
+        usable=plan.usable, key=key, kind=kind,
+    )
+    object.__setattr__(out, "_pickle", inner)
+    return out
+
+
 class PickledOnce:
     """A value that every message carrying it shares one pickle of.
 
@@ -232,8 +266,9 @@ class Pending:
     local_key: bytes
     global_key: bytes = b""
     final: tuple[SavePlan, Metadata] | None = None
-    mirror: list[tuple[int, bytes, SavePlan | None]] = field(default_factory=list)
-    """(rank, local digest, local plan to store, or None to mark it recently used)."""
+    mirror: list[tuple[int, bytes, SavePlan | bytes | None]] = field(default_factory=list)
+    """(rank, local digest, local plan to store (or its pickle), or None to mark it recently
+    used)."""
     global_entry: GlobalEntry | None = None
 
 
@@ -306,7 +341,8 @@ class PlanCache:
     def mirrored_plan(self, rank: int, key: bytes) -> SavePlan | None:
         """The local plan ``rank`` sent under ``key``, if the coordinator holds it."""
         data = self.mirror_of(rank).peek(key)
-        # Our own pickle, made in this process by commit(): never data from elsewhere.
+        # Pickled by commit() here, or the bytes of that rank's plan that DCP's gather
+        # unpickled already (the process group is trusted the same way): never other data.
         return None if data is None else pickle.loads(data)
 
     def mirror_of(self, rank: int) -> LRU[bytes, bytes]:
@@ -331,7 +367,9 @@ class PlanCache:
             self.finals.get(p.global_key)
         for rank, key, plan in p.mirror:
             m = self.mirror_of(rank)
-            if plan is not None:
+            if isinstance(plan, bytes):
+                m.put(key, plan)
+            elif plan is not None:
                 m.put(key, pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
             else:
                 m.get(key)

@@ -38,6 +38,7 @@ from dcp_plus.planners.cache import (
     CachedMetadata,
     CachePlan,
     GlobalEntry,
+    LocalCachePlan,
     Pending,
     PickledOnce,
     PlanCache,
@@ -248,7 +249,9 @@ class CachedSavePlanner(DefaultSavePlanner):
             plan: SavePlan = CachePlan([], key=key, kind=HIT)
         else:
             local = super().create_local_plan()
-            plan = CachePlan(local.items, planner_data=local.planner_data, key=key, kind=FULL)
+            plan = LocalCachePlan(
+                local.items, planner_data=local.planner_data, key=key, kind=FULL
+            )
         self.plan = plan
         return plan
 
@@ -291,7 +294,8 @@ class CachedSavePlanner(DefaultSavePlanner):
                 local_plans.append(dataclasses.replace(known, storage_data=p.storage_data))
             else:
                 local_plans.append(plain_plan(p))
-                pending.mirror.append((rank, p.key, plain_plan(p, storage_data=None)))
+                received = p.received_pickle() if isinstance(p, LocalCachePlan) else None
+                pending.mirror.append((rank, p.key, received or plain_plan(p, storage_data=None)))
 
         global_plan, metadata = self._create_global_plan(local_plans)
         struct = structure_metadata(metadata)

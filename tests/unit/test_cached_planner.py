@@ -439,3 +439,27 @@ def test_every_reply_shares_one_pickle_of_the_structure_metadata() -> None:
     assert _CountsPickles.pickled == 1
     assert all(r.structure().payload == "structure" for r in received)  # type: ignore[union-attr]
     assert replies[0].structure() is shared.value  # not pickled at all (no_dist)
+
+
+def test_the_coordinator_keeps_the_bytes_each_rank_sent_instead_of_pickling_again() -> None:
+    from dcp_plus.planners.cache import FULL, LocalCachePlan, plain_plan
+
+    sd = _sd(6)
+    planners = [CachedSavePlanner(), CachedSavePlanner()]
+    for rank, p in enumerate(planners):
+        p.set_up_planner(sd, is_coordinator=rank == 0)
+    local = [p.create_local_plan() for p in planners]
+    assert all(type(x) is LocalCachePlan and x.kind == FULL for x in local)
+    sent = [pickle.loads(pickle.dumps(x)) for x in local]  # DCP's gather_object
+    for x, y in zip(local, sent, strict=True):
+        assert type(y) is LocalCachePlan and (y.items, y.key) == (x.items, x.key)
+        inner = y.received_pickle()
+        assert inner is not None and pickle.loads(inner) == plain_plan(x, storage_data=None)
+    assert local[0].received_pickle() is None  # never pickled: commit pickles it itself
+
+    replies, _ = planners[0].create_global_plan(sent)
+    planners[0].finish_plan(pickle.loads(pickle.dumps(replies[0])))
+    mirror = planners[0].cache.mirror
+    for rank, y in enumerate(sent):
+        assert mirror[rank].peek(y.key) is y.received_pickle()
+    assert planners[0].cache.mirrored_plan(1, sent[1].key) == plain_plan(local[1], storage_data=None)
