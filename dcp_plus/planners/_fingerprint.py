@@ -191,13 +191,14 @@ def find_save_context(frame: FrameType | None = None, depth: int = 8) -> tuple[A
     return None, None
 
 
-def in_dcp_broadcast(depth: int = 12) -> bool:
-    """True when called (through pickling) from DCP's ``_DistWrapper.broadcast_object``."""
+def in_dcp_collective(name: str, depth: int = 12) -> bool:
+    """True when called (through pickling) from DCP's ``_DistWrapper.<name>``, e.g.
+    ``broadcast_object`` or ``gather_object``."""
     f: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if f is None:
             return False
-        if f.f_code.co_name == "broadcast_object" and f.f_globals.get("__name__") == (
+        if f.f_code.co_name == name and f.f_globals.get("__name__") == (
             "torch.distributed.checkpoint.utils"
         ):
             return True

@@ -7,6 +7,8 @@ the pytest tests then assert on what each rank reported.
 from __future__ import annotations
 
 import os
+import pickle
+import sys
 import warnings
 from typing import Any
 
@@ -18,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from dcp_plus.planners import cache as cache_module
 from dcp_plus.planners.cached_save import CachedSavePlanner
 from dcp_plus.writers import LocalWriter
 from tests.dist._planner_world import CollectiveBytes, run_world, save_phases
@@ -130,15 +133,35 @@ def _case_alternating(rank: int, world: int, root: str) -> list[bool]:
     return hits
 
 
+class _CommitPickles:
+    """Stands in for ``pickle`` in ``dcp_plus.planners.cache``; counts dumps() by commit()."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(pickle, name)
+
+    def dumps(self, *args: Any, **kwargs: Any) -> bytes:
+        if sys._getframe(1).f_code.co_name == "commit":
+            self.count += 1
+        return pickle.dumps(*args, **kwargs)
+
+
 def _case_one_rank_changes(rank: int, world: int, root: str) -> dict[str, Any]:
     planner = CachedSavePlanner()
     sd = _plain(20)
     hits = []
-    for i in range(4):
-        if i == 2 and rank == world - 1:
-            sd["model"]["extra"] = torch.ones(3)
-        dcp.save(sd, storage_writer=FileSystemWriter(f"{root}/one_{i}"), planner=planner)
-        hits.append(planner.last_was_hit)
+    counting = _CommitPickles()
+    cache_module.pickle = counting  # type: ignore[assignment]
+    try:
+        for i in range(4):
+            if i == 2 and rank == world - 1:
+                sd["model"]["extra"] = torch.ones(3)
+            dcp.save(sd, storage_writer=FileSystemWriter(f"{root}/one_{i}"), planner=planner)
+            hits.append(planner.last_was_hit)
+    finally:
+        cache_module.pickle = pickle
     keys = sorted(_record(f"{root}/one_3").state_dict_metadata)
     cache = planner.cache
     structure = cache.finals.peek(cache.finals.keys()[-1])[1]  # type: ignore[index]  # latest
@@ -150,6 +173,8 @@ def _case_one_rank_changes(rank: int, world: int, root: str) -> dict[str, Any]:
         "one_metadata": all(cache.globals.peek(k).metadata is cache.finals.peek(k)[1]
                             for k in cache.globals.keys()),
         "structure_has_extra": "model.extra" in structure.state_dict_metadata,
+        # the mirror holds the bytes DCP's gather received: commit() pickles no plan
+        "commit_pickles": counting.count,
     }
     return {"hits": hits, "has_extra": "model.extra" in keys, "held": held}
 
@@ -357,6 +382,7 @@ def test_structure_change_on_one_rank_replans_on_all(world2):
         assert r["one_rank"]["held"]["structure_has_extra"]
     coordinator = world2[0]["one_rank"]["held"]
     assert coordinator["mirror_pickled"] and coordinator["mirror_ranks"] == [0, 1]
+    assert coordinator["commit_pickles"] == 0
     assert coordinator["one_metadata"]
 
 
