@@ -10,7 +10,7 @@ from benchmarks.planner import EXCHANGE_BYTES, PLANNERS, report, run
 def test_a_tiny_run_measures_every_planner_and_the_exchange_floor(tmp_path: Path) -> None:
     cfg = {"ranks": 2, "tensors": 24, "placement": "mixed", "saves": 3,
            "planners": list(PLANNERS), "sync": "barrier-gc", "dir": str(tmp_path),
-           "profile": None}
+           "profile": None, "pin": True}  # --pin-cpus: each rank bound to one CPU
     res = run(cfg)
     rows = res["results"]
     assert set(rows) == set(PLANNERS)
@@ -30,7 +30,7 @@ def test_a_tiny_run_measures_every_planner_and_the_exchange_floor(tmp_path: Path
         assert label in text
     criteria_table = text.split("### Criteria", 1)[1]
     criteria = next(line for line in criteria_table.splitlines()
-                    if line.startswith("| 2 x 24 mixed | "))
+                    if line.startswith("| 2 x 24 mixed, pinned | "))
     cells = [c.strip() for c in criteria.strip("|").split("|")]
     # plan ours/DCP cached, floor/DCP cached, save, plan and save vs DCP default, LocalWriter
     assert all(c.rstrip(" ✓✗").endswith("x") for c in cells[3:]), cells
