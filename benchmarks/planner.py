@@ -251,13 +251,17 @@ def _s(v: tuple[float, float, float]) -> str:
     return f"{v[0]:.3f} ({v[1]:.3f}–{v[2]:.3f})"
 
 
+def _pinned(c: dict[str, Any]) -> str:
+    """The label suffix of a configuration run with ``--pin-cpus``."""
+    return ", pinned" if c.get("pin") else ""
+
+
 def _cfg_name(c: dict[str, Any]) -> str:
-    pinned = ", pinned" if c.get("pin") else ""
-    return f"{c['ranks']} x {c['tensors']:,} {c['placement']}{pinned}"
+    return f"{c['ranks']} x {c['tensors']:,} {c['placement']}{_pinned(c)}"
 
 
 def _order(c: dict[str, Any]) -> tuple[Any, ...]:
-    return (c["ranks"], c["tensors"], c["placement"], bool(c.get("pin")))
+    return (c["ranks"], c["tensors"], c["placement"], _pinned(c))
 
 
 def merge(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -334,7 +338,7 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
             f"| {ratio('dcp_default', 'plan_s')} | {ratio('dcp_default', 'save_s')} | {local} |")
     groups: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
     for c in configs:
-        groups.setdefault((c["ranks"], c["placement"], bool(c.get("pin"))), {})[c["tensors"]] = c
+        groups.setdefault((c["ranks"], c["placement"], _pinned(c)), {})[c["tensors"]] = c
     grown = [(k, v) for k, v in groups.items() if len(v) > 1]
     if grown:
         lines += ["", "### Collective bytes on a hit vs tensor count (largest payload, "
@@ -351,8 +355,7 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
                     vals = [max(x["bytes"][k] for x in by_n[n]["results"][name][1:])
                             for n in ns]
                     cells.append(" / ".join(f"{v:,}" for v in vals))
-                lines.append(f"| {ranks}, {placement}{', pinned' if pinned else ''} "
-                             f"({' / '.join(f'{n:,}' for n in ns)} "
+                lines.append(f"| {ranks}, {placement}{pinned} ({' / '.join(f'{n:,}' for n in ns)} "
                              f"tensors) | {LABELS[name]} | " + " | ".join(cells) + " |")
     return lines
 

@@ -104,6 +104,12 @@ class CachePlan(SavePlan):
         md = self.metadata
         return md.value if isinstance(md, PickledOnce) else md
 
+    def received_pickle(self) -> bytes | None:
+        """The pickle of this plan's stock part as DCP's gather received it (a
+        :class:`LocalCachePlan` unpickled there), else None."""
+        data: bytes | None = self.__dict__.get("_pickle")
+        return data
+
 
 @dataclass(frozen=True)
 class LocalCachePlan(CachePlan):
@@ -126,11 +132,6 @@ class LocalCachePlan(CachePlan):
             plain_plan(self, storage_data=None), protocol=pickle.HIGHEST_PROTOCOL
         )
         return (_rebuild_local_plan, (inner, self.storage_data, self.key, self.kind))
-
-    def received_pickle(self) -> bytes | None:
-        """The inner pickle this plan was rebuilt from, or None if it was never pickled."""
-        data: bytes | None = self.__dict__.get("_pickle")
-        return data
 
 
 def _rebuild_local_plan(inner: bytes, storage_data: Any, key: bytes, kind: str) -> LocalCachePlan:

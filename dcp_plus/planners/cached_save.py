@@ -294,8 +294,8 @@ class CachedSavePlanner(DefaultSavePlanner):
                 local_plans.append(dataclasses.replace(known, storage_data=p.storage_data))
             else:
                 local_plans.append(plain_plan(p))
-                received = p.received_pickle() if isinstance(p, LocalCachePlan) else None
-                pending.mirror.append((rank, p.key, received or plain_plan(p, storage_data=None)))
+                mirrored = p.received_pickle() or plain_plan(p, storage_data=None)
+                pending.mirror.append((rank, p.key, mirrored))
 
         global_plan, metadata = self._create_global_plan(local_plans)
         struct = structure_metadata(metadata)
