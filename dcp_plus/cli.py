@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import traceback
 
-from dcp_plus.errors import DcpPlusError
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, DcpPlusError
 
 
 def _human(n: float) -> str:
@@ -38,14 +40,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Exit 0: intact; 1: problems found (damaged data or record); 2: not a checkpoint."""
     from tqdm import tqdm
 
     from dcp_plus.readers.inspect import summarize, verify
 
-    total = summarize(args.path)["totals"]["stored_bytes"]
-    with tqdm(total=total, unit="B", unit_scale=True, desc="verifying",
-              disable=args.json or None, file=sys.stderr) as bar:
-        report = verify(args.path, progress=bar.update)
+    try:
+        total = summarize(args.path)["totals"]["stored_bytes"]
+        with tqdm(total=total, unit="B", unit_scale=True, desc="verifying",
+                  disable=args.json or None, file=sys.stderr) as bar:
+            report = verify(args.path, progress=bar.update)
+    except (CheckpointFormatError, CorruptCheckpointError) as e:  # the record itself is bad
+        problems = [str(e)]
+        if args.json:
+            print(json.dumps({"path": args.path, "ok": False, "extents": 0, "bytes": 0,
+                              "problems": problems}, indent=2))
+        else:
+            print(f"CORRUPT: {e}")
+            print(f"{args.path}: the commit record is not valid: FAILED")
+        return 1
     if args.json:
         print(json.dumps({"path": report.path, "ok": report.ok, "extents": report.extents,
                           "bytes": report.bytes, "problems": report.problems}, indent=2))
@@ -88,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
-    v = sub.add_parser("verify", help="re-checksum every extent; exit 1 on corruption")
+    v = sub.add_parser("verify", help="re-checksum every extent; exit 1 on damage, 2 if not a "
+                                      "checkpoint")
     v.add_argument("path")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
@@ -109,13 +123,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one verb. Exit status: 0 success, 1 what the verb reports (``verify``: damage
+    found), 2 a user error (bad arguments, not a checkpoint, unreadable, internal error);
+    never a Python traceback unless ``-v``."""
+    for stream in (sys.stdout, sys.stderr):  # names with undecodable bytes still print
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
+    except BrokenPipeError:  # `dcp-plus inspect DIR | head -1`
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:
+        print(f"dcp-plus {args.command}: interrupted", file=sys.stderr)
+        return 130
     except DcpPlusError as e:
         print(f"dcp-plus {args.command}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"dcp-plus {args.command}: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a bug: say so, in one line
+        print(f"dcp-plus {args.command}: internal error: {type(e).__name__}: {e} (rerun with "
+              "-v for the traceback, and please report it)", file=sys.stderr)
+        if args.verbose:
+            traceback.print_exc()
         return 2
 
 

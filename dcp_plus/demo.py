@@ -139,7 +139,11 @@ def train_managed(root: str, until: int, *, kill_at: int | None = None,
         os.kill(os.getpid(), signal.SIGKILL)
 
     policy = AdaptiveInterval(0.05)
-    manager = CheckpointManager(root, keep_last=3, interval=policy, on_phase=die_in_persist)
+    # a restart after the crash takes the dead trainer's lease on the root over
+    manager = CheckpointManager(root, keep_last=3, interval=policy, on_phase=die_in_persist,
+                                takeover=True)
+    if manager.took_over is not None:
+        log(f"  took the root's lease over from the killed trainer ({manager.took_over})")
     for path in manager.cleaned:
         log(f"  found and removed the uncommitted checkpoint {path} (no commit record)")
     model, opt = build()

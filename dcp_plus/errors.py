@@ -61,3 +61,15 @@ class StorageError(DcpPlusError, OSError):
 
 class CheckpointSaveError(DcpPlusError, RuntimeError):
     """A managed checkpoint could not be staged, written or committed (older ones are intact)."""
+
+
+class LeaseHeldError(DcpPlusError, RuntimeError):
+    """Another writer holds the checkpoint root's lease (one writer per root)."""
+
+
+class LeaseLostError(DcpPlusError, RuntimeError):
+    """This writer's lease on its root was taken over: it may no longer write there."""
+
+
+class ReadOnlyError(DcpPlusError, PermissionError):
+    """A write was asked of a ``CheckpointManager(..., read_only=True)``."""

@@ -194,8 +194,34 @@ def read_record_json(ckpt: str | os.PathLike) -> dict[str, Any]:
     return json.loads(record_path(ckpt).read_bytes())
 
 
+def seal_record(record: dict[str, Any]) -> bytes:
+    """``record``'s bytes as a writer would produce them: a version-2 record sealed with its
+    record checksum (so that an edit tests the validation behind the checksum)."""
+    from dcp_plus.format.record import seal
+
+    body = {k: v for k, v in record.items() if k != "record_checksum"}
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return data if record.get("version") == 1 else seal(data)
+
+
+def extent_checksum(record: dict[str, Any], row: dict[str, Any], data: bytes) -> str:
+    """The version-2 checksum of extent ``row`` (a JSON row of ``record``) holding ``data``:
+    what a writer would record, for tests that craft extents."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from dcp_plus.format.checksum import bind_checksum, checksum_bytes
+    from dcp_plus.format.extent import Extent, extent_identity
+
+    item = record["items"][row["fqn"]]
+    ext = Extent(row["file"], row["offset"], row["length"], row["raw_length"], row["codec"],
+                 "", row.get("value"))
+    index = MetadataIndex(row["fqn"], row["chunk"])
+    return bind_checksum(checksum_bytes(data), extent_identity(index, item.get("dtype"), ext))
+
+
 def write_record_json(ckpt: str | os.PathLike, record: dict[str, Any]) -> None:
-    record_path(ckpt).write_text(json.dumps(record))
+    """Replace the record of ``ckpt`` by ``record``, resealed (see :func:`seal_record`)."""
+    record_path(ckpt).write_bytes(seal_record(record))
 
 
 def data_files(ckpt: str | os.PathLike) -> set[str]:

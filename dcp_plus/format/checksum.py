@@ -28,5 +28,14 @@ def checksum_bytes(data: bytes | memoryview) -> str:
     return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(data)}"
 
 
-def is_supported(checksum: str) -> bool:
-    return checksum.startswith(ALGORITHM + ":")
+BOUND_ALGORITHM = "xxh3-64id"
+"""Version-2 extent checksums: the content's xxh3-64 bound to the extent's identity."""
+
+
+def bind_checksum(content: str, identity: str) -> str:
+    """The checksum a version-2 record stores for an extent: ``content`` (a
+    :func:`checksum_bytes` string) hashed together with ``identity`` (what the extent holds:
+    tensor, chunk, dtype, lengths, codec), so an entry moved onto another extent's bytes, or
+    given another dtype, no longer matches."""
+    key = identity.encode("utf-8") + b"\x00" + content.encode("ascii")
+    return f"{BOUND_ALGORITHM}:{xxhash.xxh3_64_hexdigest(key)}"

@@ -146,6 +146,9 @@ class ZstdCodec:
         if n != -(-len(out) // frame_size):
             raise ValueError(f"header announces {n} frames of {frame_size} bytes, but the "
                              f"extent decodes to {len(out)} bytes")
+        if _HEAD.size + 4 * n > len(stored):
+            raise ValueError(f"header announces {n} frames, more than the extent's "
+                             f"{len(stored)} bytes can hold")
         sizes = struct.unpack_from(f"<{n}I", stored, _HEAD.size)
         pos = _HEAD.size + 4 * n
         jobs = []
@@ -159,7 +162,10 @@ class ZstdCodec:
 
         def frame(job: tuple[memoryview, memoryview]) -> None:
             src, dst = job
-            data = zstandard.ZstdDecompressor().decompress(src, max_output_size=len(dst))
+            try:
+                data = zstandard.ZstdDecompressor().decompress(src, max_output_size=len(dst))
+            except zstandard.ZstdError as e:
+                raise ValueError(f"a frame does not decode: {e}") from None
             if len(data) != len(dst):
                 raise ValueError(f"a frame decoded to {len(data)} bytes, expected {len(dst)}")
             if k > 1:
@@ -188,6 +194,10 @@ def get_codec(name: str) -> Codec:
         return _CODECS[name]
     except KeyError:
         raise KeyError(f"unknown codec {name!r}; known: {sorted(_CODECS)}") from None
+
+
+def known_codec(name: str) -> bool:
+    return name in _CODECS
 
 
 def resolve_codec(codec: str | Codec) -> Codec:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from collections.abc import Callable
+
+from dcp_plus.errors import CheckpointFormatError
 
 CHUNK = 64 << 20  # bounded syscalls: progress checks between them stay responsive
 
@@ -57,3 +61,75 @@ def atomic_write(path: str, data: bytes, tmp_suffix: str) -> None:
     os.close(fd)
     os.rename(tmp, path)
     fsync_dir(directory)
+
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_KINDS = {stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO", stat.S_IFCHR: "character device",
+          stat.S_IFBLK: "block device", stat.S_IFSOCK: "socket", stat.S_IFLNK: "symbolic link"}
+
+
+def open_regular(directory: str, name: str) -> int:
+    """Open ``directory/name`` read-only, only if it is a regular file reached without
+    following a symbolic link below ``directory`` (``name`` may have ``/`` components).
+
+    The open never blocks (a FIFO is refused, not waited on). The caller closes the fd.
+
+    Raises:
+        FileNotFoundError, NotADirectoryError: there is no such file.
+        CheckpointFormatError: it is a symbolic link, FIFO, device, socket or directory.
+    """
+    path = os.path.join(directory, name)
+    parts = name.split("/")
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            try:
+                sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW | _CLOEXEC,
+                              dir_fd=dir_fd)
+            except OSError as e:
+                # O_NOFOLLOW | O_DIRECTORY on a symlink fails with ELOOP or ENOTDIR
+                if e.errno == errno.ELOOP or (e.errno == errno.ENOTDIR and stat.S_ISLNK(
+                        os.lstat(part, dir_fd=dir_fd).st_mode)):
+                    raise CheckpointFormatError(
+                        f"{path}: {part!r} is a symbolic link, which could lead outside the "
+                        "checkpoint directory; refusing to read through it") from None
+                raise
+            os.close(dir_fd)
+            dir_fd = sub
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC,
+                         dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CheckpointFormatError(
+                    f"{path}: is a symbolic link, which could lead outside the checkpoint "
+                    "directory; checkpoint files are regular files, so it is not followed"
+                ) from None
+            raise
+    finally:
+        os.close(dir_fd)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = _KINDS.get(stat.S_IFMT(mode), "special file")
+        raise CheckpointFormatError(f"{path}: is a {kind}, not a regular file; refusing to "
+                                    "read it")
+    return fd
+
+
+def read_regular(directory: str, name: str, limit: int) -> bytes:
+    """The whole of regular file ``directory/name`` (see :func:`open_regular`), refused
+    without reading when it is larger than ``limit`` bytes."""
+    fd = open_regular(directory, name)
+    try:
+        size = os.fstat(fd).st_size
+        path = os.path.join(directory, name)
+        if size > limit:
+            raise CheckpointFormatError(f"{path}: {size} bytes, more than the {limit} a file "
+                                        "of this kind may hold; refusing to read it")
+        buf = bytearray(size)
+        preadinto_all(fd, memoryview(buf), 0, path)
+        return bytes(buf)
+    finally:
+        os.close(fd)

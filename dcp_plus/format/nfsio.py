@@ -30,8 +30,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
-from dcp_plus.errors import StorageError
-from dcp_plus.format.fileio import fsync_dir, preadinto_all, pwrite_all
+from dcp_plus.errors import CheckpointFormatError, StorageError
+from dcp_plus.format.fileio import (
+    fsync_dir,
+    open_regular,
+    preadinto_all,
+    pwrite_all,
+    read_regular,
+)
+from dcp_plus.format.layout import MAX_RECORD_BYTES
 from dcp_plus.format.objectio import Segments, StoreConfig
 
 log = logging.getLogger(__name__)
@@ -308,8 +315,10 @@ class FileStore(_DirStore):
         return os.path.join(self.root, name)
 
     def _open(self, name: str, write: bool) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY
-        return os.open(self._path(name), flags | getattr(os, "O_CLOEXEC", 0), 0o644)
+        if not write:
+            return open_regular(self.root, name)  # never a FIFO, device or symlink
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+        return os.open(self._path(name), flags, 0o644)
 
     def _write_at(self, handle: int, data: memoryview, offset: int) -> None:
         pwrite_all(handle, data, offset)
@@ -326,15 +335,14 @@ class FileStore(_DirStore):
         os.close(handle)
 
     def _size(self, name: str) -> int:
-        fd = os.open(self._path(name), os.O_RDONLY)  # open: close-to-open revalidation
+        fd = open_regular(self.root, name)  # open: close-to-open revalidation
         try:
             return os.fstat(fd).st_size
         finally:
             os.close(fd)
 
     def _read_all(self, name: str) -> bytes:
-        with open(self._path(name), "rb") as f:
-            return f.read()
+        return read_regular(self.root, name, MAX_RECORD_BYTES)
 
     def _link(self, src: str, dst: str) -> None:
         os.link(self._path(src), self._path(dst))
@@ -443,6 +451,10 @@ class NfsStore(_DirStore):
         return int(self.client.stat(self._path(name)).size)  # GETATTR: nfs-rs keeps no cache
 
     def _read_all(self, name: str) -> bytes:
+        size = self._size(name)
+        if size > MAX_RECORD_BYTES:
+            raise CheckpointFormatError(f"{self.location(name)}: {size} bytes, more than a "
+                                        f"record or extent table may hold ({MAX_RECORD_BYTES})")
         with self.client.open(self._path(name), "rb") as f:
             return bytes(f.read())
 

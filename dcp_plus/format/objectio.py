@@ -19,6 +19,8 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.format.layout import MAX_RECORD_BYTES
 from dcp_plus.format.retry import RetryPolicy, retry_sync
 
 Segments = Sequence[tuple[int, memoryview]]
@@ -63,7 +65,10 @@ class ObjectStore(Protocol):
 
     def sizes(self, names: Sequence[str]) -> dict[str, int | None]: ...
 
-    def get(self, name: str) -> bytes | None: ...
+    def get(self, name: str) -> bytes | None:
+        """A small object (record, extent table) whole; None if absent. Objects larger than
+        ``MAX_RECORD_BYTES`` are refused (``CheckpointFormatError``) before being read."""
+        ...
 
     def put(self, name: str, data: bytes, *, if_absent: bool) -> bool: ...
 
@@ -79,6 +84,13 @@ class ObjectStore(Protocol):
 
 
 _ZEROS = memoryview(bytes(1 << 16))
+
+
+def check_small(location: str, size: int) -> None:
+    """Refuse to read ``location`` whole (:meth:`ObjectStore.get`) when it is over the bound."""
+    if size > MAX_RECORD_BYTES:
+        raise CheckpointFormatError(f"{location}: {size} bytes, more than a commit record or "
+                                    f"extent table may hold ({MAX_RECORD_BYTES}); not read")
 
 
 @runtime_checkable
@@ -338,6 +350,7 @@ class FsspecStore(ReadsByExtents):
     def get(self, name: str) -> bytes | None:
         def attempt(_: int) -> bytes | None:
             try:
+                check_small(self.location(name), int(self.fs.size(self._path(name))))
                 return bytes(self.fs.cat_file(self._path(name)))
             except FileNotFoundError:
                 return None

@@ -2,14 +2,20 @@
 
 It carries DCP's ``Metadata`` (tensor properties, chunks, bytes entries, planner data) and one
 extent per stored item. A checkpoint exists iff its record exists.
+
+Version 2 (written since dcp_plus 0.2) binds each extent's checksum to the extent's identity
+(:func:`~dcp_plus.format.extent.extent_identity`) and seals the record: its last field is
+``"record_checksum"``, the xxh3-64 of the record's bytes without that field. Version 1
+records (neither) are still read. Either way the whole record is validated before any data
+is read (:mod:`dcp_plus.format.record_checks`).
 """
 
 from __future__ import annotations
 
-import json
 import posixpath
+import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -23,37 +29,51 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus.format.checksum import ALGORITHM, BOUND_ALGORITHM, checksum_bytes
+from dcp_plus.format.codecs import known_codec
+from dcp_plus.format.extent import Extent, extent_identity
+from dcp_plus.format.layout import MAX_RECORD_BYTES
+from dcp_plus.format.record_checks import (
+    INT64_MAX,
+    MAX_DIMS,
+    STORED_DTYPES,
+    check_extents_match_items,
+    check_no_aliasing,
+    check_tiling,
+)
+from dcp_plus.format.strict_json import check_text, loads_strict
+
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_RECORD_BYTES", "RECORD_NAME", "Extent",
+           "decode_extent_table", "decode_record", "dtype_name", "encode_extent_table",
+           "encode_record", "extent_identity", "seal"]
 
 FORMAT_NAME = "dcp_plus"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 RECORD_NAME = ".metadata"
+MAX_NAME_CHARS = 1 << 16
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in vars(torch).values()
-    if isinstance(d, torch.dtype)
-}
-
-
-@dataclass(frozen=True)
-class Extent:
-    """Where one stored item lives: ``length`` stored bytes at ``offset`` of ``file``."""
-
-    file: str
-    offset: int
-    length: int
-    raw_length: int
-    codec: str
-    checksum: str
+_TRAILER = re.compile(rb',"record_checksum":"([^"]{0,64})"\}\s*\Z')
+_CHECKSUM = {1: re.compile(rf"^{ALGORITHM}:[0-9a-f]{{16}}$"),
+             2: re.compile(rf"^{BOUND_ALGORITHM}:[0-9a-f]{{16}}$")}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def seal(body: bytes) -> bytes:
+    """``body`` (a JSON object's bytes) with ``"record_checksum"`` appended as its last field."""
+    if not body.endswith(b"}"):
+        raise ValueError("a record is a JSON object")
+    return b"%s,\"record_checksum\":\"%s\"}" % (body[:-1], checksum_bytes(body).encode())
+
+
 def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -> bytes:
-    """Serialize DCP metadata and the extent table to the record's JSON bytes."""
+    """Serialize DCP metadata and the extent table to the sealed version-2 record's bytes."""
+    import json
+
     items: dict[str, Any] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -70,7 +90,6 @@ def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -
             items[fqn] = {"kind": "bytes"}
         else:
             raise CheckpointFormatError(f"cannot record {fqn!r}: unknown metadata {type(md)}")
-    table = encode_extents(extents)
     sm = metadata.storage_meta
     record = {
         "format": FORMAT_NAME,
@@ -82,17 +101,21 @@ def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -
               "save_id": sm.save_id, "modules": list(sm.modules)},
         "planner_data": _encode_planner_data(metadata.planner_data),
         "items": items,
-        "extents": table,
+        "extents": encode_extents(extents),
     }
-    return json.dumps(record, separators=(",", ":")).encode()
+    return seal(json.dumps(record, separators=(",", ":")).encode())
 
 
 def encode_extents(extents: Mapping[MetadataIndex, Extent]) -> list[dict[str, Any]]:
     """The JSON rows of an extent table (the record's ``extents`` field)."""
-    return [
-        {"fqn": idx.fqn, "chunk": None if idx.offset is None else list(idx.offset), **asdict(ext)}
-        for idx, ext in extents.items()
-    ]
+    rows = []
+    for idx, ext in extents.items():
+        row = {"fqn": idx.fqn, "chunk": None if idx.offset is None else list(idx.offset),
+               **asdict(ext)}
+        if ext.value is None:
+            del row["value"]
+        rows.append(row)
+    return rows
 
 
 def _encode_planner_data(planner_data: Any) -> Any:
@@ -128,12 +151,28 @@ class _Parser:
         if not isinstance(value, kind):
             raise self.fail(field, f"expected {getattr(kind, '__name__', kind)}, got "
                                    f"{type(value).__name__}")
+        if isinstance(value, int) and not isinstance(value, bool) and not (
+                -INT64_MAX - 1 <= value <= INT64_MAX):
+            raise self.fail(field, "integer out of the int64 range")
+        if isinstance(value, str):
+            self.text(value, field)
+        return value
+
+    def text(self, value: str, field: str) -> str:
+        problem = check_text(value)
+        if problem is None and len(value) > MAX_NAME_CHARS:
+            problem = f"is {len(value)} characters long"
+        if problem is not None:
+            raise self.fail(field, f"the string {value[:80]!r} {problem}")
         return value
 
     def ints(self, obj: Any, key: str, where: str) -> list[int]:
         values = self.get(obj, key, list, where)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-            raise self.fail(f"{where}.{key}", "expected a list of non-negative integers")
+        if len(values) > MAX_DIMS or not all(
+                isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT64_MAX
+                for v in values):
+            raise self.fail(f"{where}.{key}", f"expected a list of at most {MAX_DIMS} "
+                                              "non-negative int64 integers")
         return values
 
     def relative_path(self, path: str, field: str) -> str:
@@ -142,101 +181,125 @@ class _Parser:
         norm = posixpath.normpath(path)
         if posixpath.isabs(path) or norm == ".." or norm.startswith("../") or norm != path:
             raise self.fail(field, f"path {path!r} escapes the checkpoint directory")
+        if any(part.startswith(".") for part in path.split("/")):
+            raise self.fail(field, f"path {path!r}: data files are never hidden files")
         return path
 
 
+def _unseal(data: bytes, source: str) -> bool:
+    """Check the record checksum if the record has one; whether it has."""
+    m = _TRAILER.search(data)
+    if m is None:
+        return False
+    body = data[:m.start()] + b"}"
+    if checksum_bytes(body).encode() != m.group(1):
+        raise CorruptCheckpointError(
+            f"{source}: the commit record does not match its record_checksum: it was "
+            "damaged or edited after it was written, so none of it is trusted")
+    return True
+
+
 def decode_record(data: bytes, source: str) -> Metadata:
-    """Parse record bytes into DCP ``Metadata``; ``storage_data`` maps index -> ``Extent``.
+    """Parse and validate record bytes into DCP ``Metadata``; ``storage_data`` maps index ->
+    ``Extent``. Nothing is read from the data files.
 
     Raises:
         CheckpointFormatError: naming the field and ``source`` for any deviation.
+        CorruptCheckpointError: a version-2 record that does not match its checksum.
     """
+    if len(data) > MAX_RECORD_BYTES:
+        raise CheckpointFormatError(f"{source}: {len(data)} bytes, larger than any commit "
+                                    f"record ({MAX_RECORD_BYTES})")
     p = _Parser(source)
-    try:
-        root = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(
-            f"{source}: not a dcp_plus commit record (not UTF-8 JSON: {e})"
-        ) from None
+    sealed = _unseal(data, source)
+    root = loads_strict(data, source, "dcp_plus commit record")
     if not isinstance(root, dict):
         raise p.fail("<root>", "expected a JSON object")
     fmt = p.get(root, "format", str, "")
     if fmt != FORMAT_NAME:
         raise p.fail("format", f"unknown format {fmt!r}, expected {FORMAT_NAME!r}")
     version = p.get(root, "version", int, "")
-    if version != FORMAT_VERSION:
-        raise p.fail("version", f"unsupported version {version}; this reader reads "
-                                f"version {FORMAT_VERSION} (upgrade dcp_plus)")
+    if version not in READABLE_VERSIONS:
+        raise p.fail("version", f"unsupported version {version}; this reader reads versions "
+                                f"{', '.join(map(str, READABLE_VERSIONS))} (upgrade dcp_plus)")
+    if (version >= 2) != sealed or (not sealed and "record_checksum" in root):
+        raise p.fail("record_checksum", "a version-2 record ends with its record_checksum"
+                     if version >= 2 else "version-1 records have none")
 
-    sd_md: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    for fqn, item in p.get(root, "items", dict, "").items():
-        where = f"items[{fqn!r}]"
-        kind = p.get(item, "kind", str, where)
-        if kind == "bytes":
-            sd_md[fqn] = BytesStorageMetadata()
-        elif kind == "tensor":
-            dname = p.get(item, "dtype", str, where)
-            if dname not in _DTYPES:
-                raise p.fail(f"{where}.dtype", f"unknown dtype {dname!r}")
-            props = TensorProperties(dtype=_DTYPES[dname],
-                                     requires_grad=p.get(item, "requires_grad", bool, where))
-            size = p.ints(item, "size", where)
-            chunks = []
-            for i, c in enumerate(p.get(item, "chunks", list, where)):
-                cw = f"{where}.chunks[{i}]"
-                offsets, sizes = p.ints(c, "offsets", cw), p.ints(c, "sizes", cw)
-                if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                        o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)):
-                    raise p.fail(cw, f"chunk at {offsets} of size {sizes} does not fit in "
-                                     f"a tensor of size {size}")
-                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets),
-                                                   sizes=torch.Size(sizes)))
-            sd_md[fqn] = TensorStorageMetadata(props, torch.Size(size), chunks)
-        else:
-            raise p.fail(f"{where}.kind", f"unknown kind {kind!r}")
-
-    storage = _decode_extents(p, p.get(root, "extents", list, ""), set(sd_md))
+    sd_md = {p.text(fqn, f"items[{fqn[:80]!r}]"): _decode_item(p, fqn, item)
+             for fqn, item in p.get(root, "items", dict, "").items()}
+    storage, rows = _decode_extents(p, p.get(root, "extents", list, ""), sd_md, version)
+    check_extents_match_items(sd_md, storage, rows, p.fail)
+    check_no_aliasing(storage, p.fail)
 
     planner_data = root.get("planner_data")
     if planner_data is not None:
         if not isinstance(planner_data, dict) or not all(
-            isinstance(v, list) and all(isinstance(x, (str, int)) for x in v)
+            isinstance(v, list) and all(isinstance(x, (str, int)) and not isinstance(x, bool)
+                                        and (not isinstance(x, str) or check_text(x) is None)
+                                        for x in v)
             for v in planner_data.values()
         ):
             raise p.fail("planner_data", "expected an object of key paths")
         planner_data = {k: tuple(v) for k, v in planner_data.items()}
-    sm = root.get("storage_meta")
-    storage_meta = StorageMeta()
-    if sm is not None:
-        if not isinstance(sm, dict):
-            raise p.fail("storage_meta", f"expected an object or null, got {type(sm).__name__}")
-        modules = sm.get("modules", [])
-        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-            raise p.fail("storage_meta.modules", "expected a list of strings")
-        storage_meta = StorageMeta(
-            checkpoint_id=p.get(sm, "checkpoint_id", (str, type(None)), "storage_meta")
-            if "checkpoint_id" in sm else None,
-            save_id=p.get(sm, "save_id", (str, type(None)), "storage_meta")
-            if "save_id" in sm else None,
-            modules=modules)
-    dcp_version = root.get("dcp_version")
-    if dcp_version is not None and not isinstance(dcp_version, str):
-        raise p.fail("dcp_version", f"expected a string or null, got {type(dcp_version).__name__}")
     return Metadata(state_dict_metadata=sd_md, planner_data=planner_data,
-                    storage_data=storage, storage_meta=storage_meta, version=dcp_version)
+                    storage_data=storage, storage_meta=_decode_storage_meta(p, root),
+                    version=_decode_dcp_version(p, root))
 
 
-def _decode_extents(p: _Parser, rows: list[Any], known: set[str] | None,
-                    field: str = "extents") -> dict[MetadataIndex, Extent]:
+def _decode_item(p: _Parser, fqn: str, item: Any) -> TensorStorageMetadata | BytesStorageMetadata:
+    where = f"items[{fqn!r}]"
+    kind = p.get(item, "kind", str, where)
+    if kind == "bytes":
+        return BytesStorageMetadata()
+    if kind != "tensor":
+        raise p.fail(f"{where}.kind", f"unknown kind {kind!r}")
+    dname = p.get(item, "dtype", str, where)
+    if dname not in STORED_DTYPES:
+        raise p.fail(f"{where}.dtype", f"unknown dtype {dname!r} (dcp_plus stores "
+                                       f"{', '.join(STORED_DTYPES)})")
+    dtype = STORED_DTYPES[dname]
+    props = TensorProperties(dtype=dtype, requires_grad=p.get(item, "requires_grad", bool, where))
+    size = p.ints(item, "size", where)
+    if _nbytes(size, dtype) > INT64_MAX:
+        raise p.fail(f"{where}.size", f"a tensor of {size} {dname} is larger than 2^63 bytes")
+    chunks = []
+    for i, c in enumerate(p.get(item, "chunks", list, where)):
+        cw = f"{where}.chunks[{i}]"
+        offsets, sizes = p.ints(c, "offsets", cw), p.ints(c, "sizes", cw)
+        if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                o + n > s for o, n, s in zip(offsets, sizes, size, strict=True)):
+            raise p.fail(cw, f"chunk at {offsets} of size {sizes} does not fit in "
+                             f"a tensor of size {size}")
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    check_tiling(torch.Size(size), chunks, f"{where}.chunks", p.fail)
+    return TensorStorageMetadata(props, torch.Size(size), chunks)
+
+
+def _nbytes(size: list[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in size:
+        n *= s
+    return n
+
+
+def _decode_extents(p: _Parser, rows: list[Any],
+                    items: Mapping[str, TensorStorageMetadata | BytesStorageMetadata] | None,
+                    version: int, field: str = "extents"
+                    ) -> tuple[dict[MetadataIndex, Extent], dict[MetadataIndex, int]]:
+    """Extent rows -> ``{index: Extent}`` and each index's row; with ``items``, every row
+    must name one of them."""
     storage: dict[MetadataIndex, Extent] = {}
+    where_of: dict[MetadataIndex, int] = {}
     for i, entry in enumerate(rows):
         where = f"{field}[{i}]"
         fqn = p.get(entry, "fqn", str, where)
-        if known is not None and fqn not in known:
+        if items is not None and fqn not in items:
             raise p.fail(f"{where}.fqn", f"{fqn!r} is not an item of this checkpoint")
         chunk = p.get(entry, "chunk", (list, type(None)), where)
         if chunk is not None:
             chunk = p.ints(entry, "chunk", where)
+        value = p.get(entry, "value", str, where) if "value" in entry else None
         ext = Extent(
             file=p.relative_path(p.get(entry, "file", str, where), f"{where}.file"),
             offset=p.get(entry, "offset", int, where),
@@ -244,11 +307,48 @@ def _decode_extents(p: _Parser, rows: list[Any], known: set[str] | None,
             raw_length=p.get(entry, "raw_length", int, where),
             codec=p.get(entry, "codec", str, where),
             checksum=p.get(entry, "checksum", str, where),
+            value=value,
         )
         if min(ext.offset, ext.length, ext.raw_length) < 0:
             raise p.fail(where, "negative offset or length")
-        storage[MetadataIndex(fqn, chunk)] = ext
-    return storage
+        if ext.offset + ext.length > INT64_MAX:
+            raise p.fail(where, "extent ends beyond the int64 range")
+        if not known_codec(ext.codec):
+            raise p.fail(f"{where}.codec", f"unknown codec {ext.codec!r}")
+        if not _CHECKSUM[version].match(ext.checksum):
+            raise p.fail(f"{where}.checksum", f"{ext.checksum[:80]!r} is not a version-{version}"
+                                              " extent checksum")
+        index = MetadataIndex(fqn, chunk)
+        if index in storage:
+            raise p.fail(where, f"a second extent for the same item as extents[{where_of[index]}]")
+        storage[index] = ext
+        where_of[index] = i
+    return storage, where_of
+
+
+def _decode_storage_meta(p: _Parser, root: dict[str, Any]) -> StorageMeta:
+    sm = root.get("storage_meta")
+    if sm is None:
+        return StorageMeta()
+    if not isinstance(sm, dict):
+        raise p.fail("storage_meta", f"expected an object or null, got {type(sm).__name__}")
+    modules = sm.get("modules", [])
+    if not isinstance(modules, list) or not all(
+            isinstance(m, str) and check_text(m) is None for m in modules):
+        raise p.fail("storage_meta.modules", "expected a list of strings")
+    return StorageMeta(
+        checkpoint_id=p.get(sm, "checkpoint_id", (str, type(None)), "storage_meta")
+        if "checkpoint_id" in sm else None,
+        save_id=p.get(sm, "save_id", (str, type(None)), "storage_meta")
+        if "save_id" in sm else None,
+        modules=modules)
+
+
+def _decode_dcp_version(p: _Parser, root: dict[str, Any]) -> str | None:
+    dcp_version = root.get("dcp_version")
+    if dcp_version is not None and not isinstance(dcp_version, str):
+        raise p.fail("dcp_version", f"expected a string or null, got {type(dcp_version).__name__}")
+    return None if dcp_version is None else p.text(dcp_version, "dcp_version")
 
 
 EXTENT_TABLE_FORMAT = "dcp_plus-extents"
@@ -256,6 +356,8 @@ EXTENT_TABLE_FORMAT = "dcp_plus-extents"
 
 def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
     """One rank's extents, exchanged through storage instead of the process group."""
+    import json
+
     return json.dumps({"format": EXTENT_TABLE_FORMAT, "version": FORMAT_VERSION,
                        "extents": encode_extents(extents)}, separators=(",", ":")).encode()
 
@@ -263,12 +365,9 @@ def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
 def decode_extent_table(data: bytes, source: str) -> dict[MetadataIndex, Extent]:
     """Parse :func:`encode_extent_table` output strictly (errors name field and ``source``)."""
     p = _Parser(source)
-    try:
-        root = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointFormatError(f"{source}: not an extent table ({e})") from None
+    root = loads_strict(data, source, "extent table")
     if p.get(root, "format", str, "") != EXTENT_TABLE_FORMAT:
         raise p.fail("format", f"expected {EXTENT_TABLE_FORMAT!r}")
     if p.get(root, "version", int, "") != FORMAT_VERSION:
         raise p.fail("version", f"unsupported version; expected {FORMAT_VERSION}")
-    return _decode_extents(p, p.get(root, "extents", list, ""), None)
+    return _decode_extents(p, p.get(root, "extents", list, ""), None, FORMAT_VERSION)[0]

@@ -25,6 +25,7 @@ from dcp_plus.format.objectio import (
     Segments,
     StoreConfig,
     assemble,
+    check_small,
     part_bounds,
     plan_requests,
 )
@@ -168,6 +169,7 @@ class S3Store(ReadsByExtents):
                 return None
             raise
         async with resp["Body"] as body:
+            check_small(self.location(name), int(resp.get("ContentLength") or 0))
             return bytes(await body.read())
 
     def get(self, name: str) -> bytes | None:

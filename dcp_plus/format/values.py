@@ -43,5 +43,12 @@ def check_loads_safely(fqn: str, data: bytes) -> None:
         raise UnsafeValueError(
             f"value {fqn!r} does not load with torch.load(weights_only=True) "
             f"({unsafe_reason(e)}); dcp_plus refuses to store or unpickle it. Use tensors, "
-            "numbers, strings, or lists/dicts of them"
+            "numbers, strings, io.BytesIO, or lists/dicts of them; or pass allow_pickle=True "
+            "to the writer to store it anyway (it then loads only with allow_pickle=True on "
+            "the reader and a planner that unpickles)"
         ) from None
+
+
+class RawBytesIO(io.BytesIO):
+    """The raw contents of a stored ``io.BytesIO`` value (not ``torch.save`` bytes), as
+    handed to a load planner that declares ``loads_raw_bytesio``."""

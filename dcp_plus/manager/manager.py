@@ -23,8 +23,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dcp_plus.errors import ClosedError, DcpPlusError
+from dcp_plus.errors import (
+    ClosedError,
+    DcpPlusError,
+    LeaseHeldError,
+    LeaseLostError,
+    ReadOnlyError,
+)
 from dcp_plus.manager.handle import SaveHandle, save_error
+from dcp_plus.manager.lease import DEFAULT_TIMEOUT_S, LEASE_DIR, RootLease
 from dcp_plus.manager.naming import (
     POINTER_NAME,
     decode_pointer,
@@ -78,6 +85,19 @@ class CheckpointManager:
             calling thread; ``persist``, ``commit``, ``retention``, ``done`` on the manager's
             thread); for observability and fault-injection tests.
         clock: time source for the measurements (seconds).
+        read_only: only list and load (an evaluation job polling a trainer's root): never
+            writes, deletes or takes the lease; ``save()`` raises ``ReadOnlyError``.
+        takeover: take the root's lease over when its holder is dead (its pid is gone from
+            this host, or its heartbeat is older than ``lease_timeout``); a live holder is
+            never displaced. A restarted job passes it after a crash.
+        lease_timeout: seconds without a heartbeat after which a writer on another host is
+            considered dead.
+        history_size: how many recent ``SaveStats`` ``history`` keeps.
+
+    One root has one writer: a writing manager holds the root's lease (``ROOT/.dcpp-lease``)
+    until ``close()``; a second one raises ``LeaseHeldError`` naming the holder. A manager
+    whose lease was taken over is fenced: its next save fails with ``LeaseLostError`` before
+    writing, a save in flight is not committed, and it deletes nothing more.
 
     A ``save`` issued while the previous persist is still in flight first waits for it to
     finish (at most one persist is in flight; the wait counts as exposed checkpoint cost), or
@@ -90,9 +110,13 @@ class CheckpointManager:
                  keep_every: int | None = None, interval: IntervalPolicy | int | None = None,
                  process_group: Any = None, stager: ArenaStager | None = None,
                  verify_on_load: bool = True, on_phase: PhaseHook | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, read_only: bool = False,
+                 takeover: bool = False, lease_timeout: float = DEFAULT_TIMEOUT_S,
+                 history_size: int = 1000) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if history_size < 1:
+            raise ValueError(f"history_size must be >= 1, got {history_size}")
         self.backend, self.root = backend_for(root, storage_options)
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
@@ -121,14 +145,18 @@ class CheckpointManager:
             self.world_size = dist.get_world_size(self._group)
             self._src = dist.get_global_rank(self._ctl, 0)
         self.is_coordinator = self.rank == 0
-        self._owns_stager = stager is None
-        self._stager = stager or ArenaStager()
+        self.read_only = read_only
+        self._lease = None if read_only else self._acquire_lease(takeover, lease_timeout)
+        self._owns_stager = stager is None and not read_only
+        self._stager = stager if stager is not None or read_only else ArenaStager()
         self._planner = CachedSavePlanner()
         self._post = ThreadPoolExecutor(1, thread_name_prefix="dcpp-manager")
         self._lock = threading.Lock()
         self._inflight: SaveHandle | None = None
         self._staging: SaveHandle | None = None
-        self._completed: deque[SaveStats] = deque()
+        # stats of finished saves for the policy; bounded for a caller that never calls
+        # maybe_save (which drains it)
+        self._completed: deque[SaveStats] = deque(maxlen=history_size)
         self._guards: _List[Any] = []
         self._guarded = False
         self._last_tick: float | None = None
@@ -136,14 +164,54 @@ class CheckpointManager:
         self._iter_update_s: float | None = None
         self._update_t0: float | None = None
         self._closed = False
-        self.history: _List[SaveStats] = []
+        self.history: deque[SaveStats] = deque(maxlen=history_size)
+        """The most recent saves' stats, oldest first (at most ``history_size``)."""
         self.cleaned: _List[str] = []
-        if self.is_coordinator:
+        if self.is_coordinator and self._lease is not None:
+            # the lease holder alone cleans up, before any save of its own has started
             self.backend.makedirs(self.root)
             self.cleaned = self._clean_uncommitted()
             self._repair_pointer()
         if self._dist:
             dist.barrier(group=self._ctl)
+
+    def _acquire_lease(self, takeover: bool, timeout_s: float) -> RootLease | None:
+        """The root's lease, held by the coordinator; every rank raises if it is refused."""
+        lease, error = None, None
+        if self.is_coordinator:
+            lease = RootLease(self.backend.lease_store(self.backend.join(self.root, LEASE_DIR)),
+                              timeout_s=timeout_s)
+            try:
+                lease.acquire(takeover=takeover)
+            except (DcpPlusError, OSError) as e:
+                error = e
+        if self._dist:
+            said = [None if error is None else str(error)]
+            dist.broadcast_object_list(said, src=self._src, group=self._ctl)
+            if said[0] is not None and error is None:
+                error = LeaseHeldError(f"rank 0 of this job could not take the lease of "
+                                       f"{self.root}: {said[0]}")
+        if error is not None:
+            raise error
+        return lease
+
+    def _lease_held(self) -> bool:
+        """Whether this coordinator may still change the root (checks the store)."""
+        if self._lease is None:
+            return False
+        try:
+            self._lease.check()
+            return True
+        except LeaseLostError as e:
+            log.error("%s", e)
+            return False
+
+    @property
+    def took_over(self) -> str | None:
+        """Who held the root's lease before this manager took it over (``takeover=True``),
+        or None."""
+        held = None if self._lease is None else self._lease.took_over
+        return None if held is None else held.describe()
 
     # -- saving ---------------------------------------------------------------------------
 
@@ -153,6 +221,7 @@ class CheckpointManager:
 
         Without a guard, ``save()`` waits for its snapshot before returning.
         """
+        self._check_writable("guard")
         opts = [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
         for opt in opts:
             self._guards.append(opt.register_step_pre_hook(self._pre_step))
@@ -168,6 +237,7 @@ class CheckpointManager:
         instead of waiting when the previous persist is still in flight.
         """
         self._check_open("save")
+        self._check_writable("save")
         if if_busy not in ("wait", "skip"):
             raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
         t0 = self.clock()
@@ -181,7 +251,8 @@ class CheckpointManager:
         handle = SaveHandle(step, path, started_at=t_start, waited_s=t_start - t0)
         self._phase("stage", step)
         try:
-            writer = self.backend.writer(path, self.writer_options)
+            fence = self._lease.check if self._lease is not None else None
+            writer = self.backend.writer(path, {**self.writer_options, "fence": fence})
             resp = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                   async_stager=self._stager, process_group=self._group,
                                   no_dist=not self._dist)
@@ -210,6 +281,7 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
         """Call once per iteration: feeds the policy its measurements, saves when it says so."""
         self._check_open("maybe_save")
+        self._check_writable("maybe_save")
         now = self.clock()
         if self._last_tick is not None:
             self.policy.observe_iteration(now - self._last_tick, self._iter_checkpoint_s,
@@ -283,7 +355,8 @@ class CheckpointManager:
     # -- life cycle -----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for the save in flight, then free the stager, threads and writer workers."""
+        """Wait for the save in flight, then free the stager, threads and writer workers and
+        release the root's lease."""
         if self._closed:
             return
         self.wait()
@@ -292,11 +365,14 @@ class CheckpointManager:
             h.remove()
         self._guards = []
         self._post.shutdown(wait=True)
-        if self._owns_stager:
+        if self._owns_stager and self._stager is not None:
             self._stager.close()
-        from dcp_plus.writers import shutdown_pool
+        if self._lease is not None:
+            self._lease.release()
+        if not self.read_only:
+            from dcp_plus.writers import shutdown_pool
 
-        shutdown_pool()
+            shutdown_pool()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -310,6 +386,12 @@ class CheckpointManager:
         if self._closed:
             raise ClosedError(f"CheckpointManager.{what}() called after close() "
                               f"(root {self.root}); create a new manager")
+
+    def _check_writable(self, what: str) -> None:
+        if self.read_only:
+            raise ReadOnlyError(f"CheckpointManager.{what}() on a read-only manager (root "
+                                f"{self.root}); the root's writer is the process holding its "
+                                "lease")
 
     def _path(self, step: int) -> str:
         return self.backend.join(self.root, step_dirname(step))
@@ -397,6 +479,7 @@ class CheckpointManager:
     def _pre_step(self, *_: Any) -> None:
         t0 = self.clock()
         try:
+            assert self._stager is not None
             self._stager.synchronize_staging()
         except DcpPlusError as e:  # also fails the save's handle; training goes on
             log.warning("snapshot failed: %s", e)
@@ -428,7 +511,7 @@ class CheckpointManager:
                 return
             done_at = self.clock()
             self._phase("commit", step)
-            if self.is_coordinator:
+            if self.is_coordinator and self._lease_held():
                 self._write_pointer(step)
                 self._retain()
             stats = handle.stats(True, done_at)
@@ -443,7 +526,8 @@ class CheckpointManager:
     def _failed(self, handle: SaveHandle, failure: BaseException) -> None:
         err = save_error(handle.step, handle.path, failure, "persisting")
         log.error("%s", err)
-        if self.is_coordinator and not self.backend.is_committed(handle.path):
+        if (self.is_coordinator and not self.backend.is_committed(handle.path)
+                and self._lease_held()):  # a fenced manager deletes nothing
             try:
                 self.backend.remove_tree(handle.path)
             except FileNotFoundError:

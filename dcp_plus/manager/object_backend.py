@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcp_plus.errors import DcpPlusError
+from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.format.record import RECORD_NAME, decode_record
+from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
 
 
 class ObjectStoreBackend:
@@ -105,3 +107,31 @@ class ObjectStoreBackend:
     def write_atomic(self, path: str, data: bytes) -> None:
         fs, p = self._fs_path(path)
         fs.pipe_file(p, data)
+
+    def lease_store(self, path: str) -> LeaseStore:
+        return ObjectLeaseStore(open_store(path, self.storage_options, StoreConfig(concurrency=2)))
+
+
+class ObjectLeaseStore:
+    """Lease records under an object-store prefix. S3: exclusive create is a conditional PUT
+    (``If-None-Match: *``); other fsspec stores check, then write (not atomic)."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self.location = store.url
+
+    def create(self, name: str, data: bytes) -> bool:
+        return self.store.put(name, data, if_absent=True)
+
+    def write(self, name: str, data: bytes) -> None:
+        self.store.put(name, data, if_absent=False)
+
+    def read(self, name: str) -> bytes | None:
+        data = self.store.get(name)
+        return data if data is None or len(data) <= MAX_LEASE_RECORD_BYTES else None
+
+    def list(self) -> list[str]:
+        return self.store.list()
+
+    def delete(self, names: Sequence[str]) -> None:
+        self.store.delete(list(names))

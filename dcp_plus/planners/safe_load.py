@@ -10,20 +10,30 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
 from dcp_plus.errors import UnsafeCheckpointError
-from dcp_plus.format.values import unsafe_reason
+from dcp_plus.format.values import RawBytesIO, unsafe_reason
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """Loads non-tensor values with ``torch.load(weights_only=True)``; refuses the rest.
 
+    ``io.BytesIO`` values come back as ``io.BytesIO`` objects with the saved contents: raw
+    from dcp_plus checkpoints, and from stock DCP ones (which pickle them) by an unpickler
+    that allows that one class besides what ``weights_only`` allows.
+
     Raises:
         UnsafeCheckpointError: naming the key whose value would need full unpickling.
     """
 
+    loads_raw_bytesio = True
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            obj = torch.load(value, weights_only=True)
+            if isinstance(value, RawBytesIO):
+                obj: object = io.BytesIO(value.getvalue())
+            else:
+                with torch.serialization.safe_globals([io.BytesIO]):
+                    obj = torch.load(value, weights_only=True)
         except Exception as e:
             raise UnsafeCheckpointError(
                 f"checkpoint value {fqn!r} does not load with torch.load(weights_only=True) "

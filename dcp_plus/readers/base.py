@@ -24,9 +24,11 @@ from torch.futures import Future
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_plus.format.codecs import get_codec
-from dcp_plus.format.record import RECORD_NAME, Extent, decode_record
+from dcp_plus.format.extent import BYTESIO
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import verify_checksum
+from dcp_plus.readers.raw_bytes import deliver_bytesio
 
 BATCH_BYTES = 64 << 20
 PICKLE_PROTOCOL_BYTE = 0x80
@@ -84,7 +86,9 @@ class ExtentReader(StorageReader):
 
     # -- StorageReader ----------------------------------------------------------------------
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self, *args: Any) -> Metadata:
+        # no **kwargs: DCP would then retry a failed read as "rank-local metadata", which
+        # dcp_plus checkpoints never have (the same error twice, with two logged tracebacks)
         data = self._record_bytes()
         where = self._location(RECORD_NAME)
         if data[:1] == b"{":
@@ -97,7 +101,7 @@ class ExtentReader(StorageReader):
                 f"unpickling can run arbitrary code. Pass {type(self).__name__}(..., "
                 "allow_pickle=True) only if you trust this checkpoint")
         self._stock = self._stock_reader()
-        return self._stock.read_metadata(*args, **kwargs)
+        return self._stock.read_metadata(*args)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -178,18 +182,17 @@ class ExtentReader(StorageReader):
                  finish: Callable[[], None]) -> None:
         """Check a filled extent's checksum (unless ``verify=False``), then deliver it."""
         if self.verify:
-            verify_checksum(buf, self._extent(index), describe(index), self.path)
+            ext = self._extent(index)
+            chunk = self._chunks.get(index)
+            identity = extent_identity(index, None if chunk is None else dtype_name(chunk[0]), ext)
+            verify_checksum(buf, ext, describe(index), self.path, identity)
         finish()
 
     def _destination(self, index: MetadataIndex, reqs: list[ReadItem],
                      planner: LoadPlanner) -> tuple[memoryview, Callable[[], None]]:
         """A buffer to read the stored extent into and a callback that delivers it."""
-        ext = self._extent(index)
+        ext = self._extent(index)  # lengths and codec were validated with the record
         if ext.codec == "identity":
-            if ext.length != ext.raw_length:
-                raise CheckpointFormatError(
-                    f"{self._location(ext.file)}: {describe(index)}: identity extent with "
-                    f"length {ext.length} != raw_length {ext.raw_length}")
             return self._raw_destination(index, ext, reqs, planner)
         try:
             codec = get_codec(ext.codec)
@@ -214,9 +217,13 @@ class ExtentReader(StorageReader):
         """A buffer for the extent's raw bytes and a callback that delivers them."""
         where = self._location(ext.file)
         if reqs[0].type == LoadItemType.BYTE_IO:
-            raw = bytearray(ext.raw_length)
+            raw = bytearray(ext.raw_length)  # == length, within the file: bounded
 
             def deliver_bytes() -> None:
+                if ext.value == BYTESIO:
+                    for req in reqs:
+                        deliver_bytesio(planner, req, bytes(raw))
+                    return
                 if not self.allow_pickle:
                     check_loads_safely(index.fqn, bytes(raw))
                 for req in reqs:
@@ -224,11 +231,7 @@ class ExtentReader(StorageReader):
             return memoryview(raw), deliver_bytes
 
         dtype, sizes = self._chunks[index]
-        nbytes = math.prod(sizes) * dtype.itemsize
-        if nbytes != ext.raw_length:
-            raise CheckpointFormatError(
-                f"{where}: {describe(index)}: extent holds {ext.raw_length} bytes, "
-                f"but {dtype} {list(sizes)} needs {nbytes}")
+        nbytes = ext.raw_length  # validated: the chunk's bytes
         req = reqs[0]
         if len(reqs) == 1 and not any(req.storage_offsets) and list(req.lengths) == list(sizes):
             target = planner.resolve_tensor(req).detach()

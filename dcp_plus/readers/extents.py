@@ -1,4 +1,4 @@
-"""Checked reads of extents: path containment, bounds, coalesced preadv, checksum compare."""
+"""Checked reads of extents: regular files only, bounds, coalesced preadv, checksum compare."""
 
 from __future__ import annotations
 
@@ -6,24 +6,17 @@ import os
 from collections.abc import Callable, Iterable
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
-from dcp_plus.format.checksum import checksum_bytes, is_supported
-from dcp_plus.format.fileio import preadinto_all
+from dcp_plus.format.checksum import (
+    ALGORITHM,
+    BOUND_ALGORITHM,
+    bind_checksum,
+    checksum_bytes,
+)
+from dcp_plus.format.fileio import open_regular, preadinto_all
 from dcp_plus.format.record import Extent
 
 COALESCE_GAP = 64 << 10
 MAX_IOV = 512
-
-
-def resolve_data_path(root: str, name: str) -> str:
-    """Absolute path of data file ``name``; refuses anything (e.g. a symlink) leading out."""
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(real_root, name))
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise CheckpointFormatError(
-            f"{os.path.join(root, name)}: data file resolves to {real}, outside the checkpoint "
-            f"directory {real_root}; refusing to read it"
-        )
-    return real
 
 
 def check_extent_bounds(extents: Iterable[tuple[str, Extent]],
@@ -52,28 +45,45 @@ def check_extent_bounds(extents: Iterable[tuple[str, Extent]],
 
 
 def check_bounds(root: str, extents: Iterable[tuple[str, Extent]]) -> None:
-    """:func:`check_extent_bounds` for data files under the directory ``root``."""
+    """:func:`check_extent_bounds` for data files under the directory ``root`` (regular files
+    inside it: a symlink, FIFO or device is refused)."""
     def size_of(name: str) -> int | None:
         try:
-            return os.stat(resolve_data_path(root, name)).st_size
+            fd = open_regular(root, name)
         except FileNotFoundError:
             return None
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     check_extent_bounds(extents, size_of, lambda name: os.path.join(root, name))
 
 
-def verify_checksum(data: memoryview, ext: Extent, what: str, root: str) -> None:
-    """Raise CorruptCheckpointError naming the file and item when ``data`` does not match."""
-    if not is_supported(ext.checksum):
+def verify_checksum(data: memoryview, ext: Extent, what: str, root: str,
+                    identity: str) -> None:
+    """Raise CorruptCheckpointError naming the file and item when ``data`` does not match
+    (``identity``: the extent's, which version-2 checksums are bound to)."""
+    check_digest(checksum_bytes(data), ext, what, root, identity)
+
+
+def check_digest(actual: str, ext: Extent, what: str, root: str, identity: str) -> None:
+    """:func:`verify_checksum` given the content checksum of the extent's bytes."""
+    algorithm = ext.checksum.split(":", 1)[0]
+    if algorithm == BOUND_ALGORITHM:
+        ok = bind_checksum(actual, identity) == ext.checksum
+    elif algorithm == ALGORITHM:
+        ok = actual == ext.checksum
+    else:
         raise CheckpointFormatError(
             f"{os.path.join(root, ext.file)}: {what}: unsupported checksum {ext.checksum!r}"
         )
-    actual = checksum_bytes(data)
-    if actual != ext.checksum:
+    if not ok:
         raise CorruptCheckpointError(
             f"{os.path.join(root, ext.file)}: checksum mismatch in {what} (bytes "
-            f"{ext.offset}..{ext.offset + ext.length}): recorded {ext.checksum}, read {actual}; "
-            "the data file is corrupt"
+            f"{ext.offset}..{ext.offset + ext.length}): the stored bytes do not match what the "
+            "record says this extent holds; the data file is corrupt (or the record entry "
+            "was moved, or its dtype or lengths edited)"
         )
 
 

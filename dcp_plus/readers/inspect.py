@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
-from dcp_plus.format.fileio import preadinto_all
-from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name
-from dcp_plus.readers.extents import resolve_data_path, verify_checksum
+from dcp_plus.format.checksum import format_checksum, new_hasher
+from dcp_plus.format.fileio import open_regular, preadinto_all
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
+from dcp_plus.readers.extents import check_digest
 from dcp_plus.readers.local import describe, read_record
 
 
 def load_record(path: str) -> Metadata:
     """Parse the commit record at ``path``; stock (pickled) records are refused."""
     data = read_record(path)
-    if data[:1] != b"{":
+    if data[:1] == b"\x80":  # a pickle's protocol byte
         raise UnsafeCheckpointError(
             f"{path}: {RECORD_NAME} is not a dcp_plus record (a stock DCP pickle?); "
             "dcp-plus never unpickles records"
@@ -81,10 +82,13 @@ def verify(path: str, progress: Callable[[int], None] | None = None) -> VerifyRe
     by_file: dict[str, list[tuple[MetadataIndex, Extent]]] = {}
     for index, ext in _extents(md).items():
         by_file.setdefault(ext.file, []).append((index, ext))
+    dtypes = {fqn: dtype_name(item.properties.dtype)
+              for fqn, item in md.state_dict_metadata.items()
+              if isinstance(item, TensorStorageMetadata)}
     for name, entries in sorted(by_file.items()):
+        full = os.path.join(path, name)
         try:
-            full = resolve_data_path(path, name)
-            fd = os.open(full, os.O_RDONLY)
+            fd = open_regular(path, name)
         except (CheckpointFormatError, OSError) as e:
             report.problems.append(f"{os.path.join(path, name)}: {e} (holds "
                                    f"{', '.join(describe(i) for i, _ in entries[:3])}...)")
@@ -101,10 +105,12 @@ def verify(path: str, progress: Callable[[int], None] | None = None) -> VerifyRe
                         f"{full}: {describe(index)} (bytes {ext.offset}..{ext.offset + ext.length})"
                         f" runs past the end of the file ({size} bytes): truncated")
                     continue
-                buf = memoryview(bytearray(ext.length))
-                preadinto_all(fd, buf, ext.offset, full)
+                hasher = new_hasher()
+                for piece in _pieces(fd, full, ext.offset, ext.offset + ext.length):
+                    hasher.update(piece)
                 try:
-                    verify_checksum(buf, ext, describe(index), path)
+                    check_digest(format_checksum(hasher), ext, describe(index), path,
+                                 extent_identity(index, dtypes.get(index.fqn), ext))
                 except (CorruptCheckpointError, CheckpointFormatError) as e:
                     report.problems.append(str(e))
                 report.bytes += ext.length
@@ -116,12 +122,24 @@ def verify(path: str, progress: Callable[[int], None] | None = None) -> VerifyRe
     return report
 
 
+_PIECE = 16 << 20
+
+
+def _pieces(fd: int, path: str, start: int, end: int) -> Iterator[memoryview]:
+    """Bytes ``[start, end)`` of ``fd`` in pieces of at most 16 MiB (one buffer, reused)."""
+    buf = memoryview(bytearray(min(_PIECE, max(0, end - start))))
+    pos = start
+    while pos < end:
+        view = buf[: min(_PIECE, end - pos)]
+        preadinto_all(fd, view, pos, path)
+        yield view
+        pos += len(view)
+
+
 def _check_padding(fd: int, path: str, start: int, end: int, report: VerifyReport) -> None:
     """Bytes between extents are alignment padding, written as zeros: anything else is damage."""
     if end <= start:
         return
-    buf = memoryview(bytearray(end - start))
-    preadinto_all(fd, buf, start, path)
-    if any(buf):
+    if any(piece.tobytes().strip(b"\0") for piece in _pieces(fd, path, start, end)):
         report.problems.append(f"{path}: padding bytes {start}..{end} (outside every extent) "
                                "are not zero: the data file is damaged")

@@ -11,7 +11,8 @@ from dcp_plus.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from dcp_plus.format.record import RECORD_NAME
+from dcp_plus.format.fileio import open_regular, read_regular
+from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.readers.extents import check_bounds, read_coalesced
 
@@ -19,15 +20,24 @@ __all__ = ["LocalReader", "describe", "read_record"]
 
 
 def read_record(root: str) -> bytes:
-    path = os.path.join(root, RECORD_NAME)
+    """The commit record's bytes: a regular file inside ``root``, of bounded size.
+
+    Raises:
+        CheckpointNotFoundError: ``root`` holds no record (or is not a directory).
+        CheckpointFormatError: the record is a symlink, FIFO, device, or too large.
+    """
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular(root, RECORD_NAME, MAX_RECORD_BYTES)
     except FileNotFoundError:
         raise CheckpointNotFoundError(
             f"{root}: no commit record {RECORD_NAME}, so no committed checkpoint is there (an "
             "interrupted save leaves none)"
         ) from None
+    except NotADirectoryError:
+        raise CheckpointNotFoundError(f"{root}: not a directory, so not a dcp_plus "
+                                      "checkpoint") from None
+    except IsADirectoryError:
+        raise CheckpointNotFoundError(f"{root}: {RECORD_NAME} is a directory") from None
 
 
 class LocalReader(ExtentReader):
@@ -70,7 +80,7 @@ class LocalReader(ExtentReader):
 
     def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str) -> None:
         path = os.path.join(self.path, name)
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(self.path, name)
         try:
             read_coalesced(fd, path, reads)
         except EOFError as e:

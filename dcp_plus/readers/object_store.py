@@ -90,7 +90,7 @@ class ObjectStoreReader(ExtentReader):
         return "://" in str(checkpoint_id)
 
     def _record_bytes(self) -> bytes:
-        data = self._store.get(RECORD_NAME)
+        data = self._store.get(RECORD_NAME)  # stores refuse objects over MAX_RECORD_BYTES
         if data is None:
             raise CheckpointNotFoundError(
                 f"{self.path}: no commit record {RECORD_NAME}, so no committed checkpoint is "

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -18,10 +16,9 @@ from dcp_plus._worker import WriteJob
 from dcp_plus.errors import CheckpointExistsError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
-from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all
-from dcp_plus.format.layout import DATA_SUFFIX
-from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
-from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
+from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all, read_regular
+from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
+from dcp_plus.writers.base import CommittingWriter, Fence, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
@@ -31,10 +28,6 @@ from dcp_plus.writers.pool import (
     shared_pool,
     shutdown_pool,
 )
-
-log = logging.getLogger(__name__)
-
-_DATA_FILE = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
 
 
 class LocalWriter(CommittingWriter):
@@ -47,7 +40,8 @@ class LocalWriter(CommittingWriter):
     Args:
         path: checkpoint directory (created if missing).
         overwrite: allow replacing a committed checkpoint; the old one stays loadable until
-            the new commit record is in place, then its data files are removed.
+            the new commit record is in place, then the data files it referenced are removed
+            (no other file: leftovers of a crashed save stay for ``dcp-plus gc``).
         workers: size of the shared writer-process pool.
         threads: parallel files for data outside slabs.
         fsync: fsync data files and directories (turn off only for throwaway checkpoints).
@@ -60,6 +54,13 @@ class LocalWriter(CommittingWriter):
             ``"zstd+shuffle"`` or a ``ZstdCodec``), and per-name overrides
             ``{fnmatch pattern: codec}``. Encoded tensors are written by this process's
             threads rather than from the stager's slabs.
+        fence: called by the coordinator before the save writes anything and again just
+            before it commits; raising aborts the save on every rank. ``CheckpointManager``
+            passes its root lease's check, so a writer that lost its lease never commits.
+        allow_pickle: also store non-tensor values that only load by full unpickling
+            (refused by default; ``io.BytesIO`` values are always stored as raw bytes).
+            Loading them needs ``allow_pickle=True`` on the reader and a planner that
+            unpickles (``DefaultLoadPlanner``): only for checkpoints you will trust.
     """
 
     _transient = ("_io",)
@@ -67,9 +68,13 @@ class LocalWriter(CommittingWriter):
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, workers: int = 2,
                  threads: int = 2, fsync: bool = True, direct_io: bool = True,
                  worker_nice: int = DEFAULT_NICE, codec: str | Codec = "identity",
-                 codecs: Mapping[str, str | Codec] | None = None) -> None:
+                 codecs: Mapping[str, str | Codec] | None = None,
+                 fence: Fence | None = None,
+                 allow_pickle: bool = False) -> None:
         super().__init__()
         self.path = os.fspath(path)
+        self.fence = fence
+        self.allow_pickle = allow_pickle
         self.overwrite = overwrite
         self.workers = workers
         self.threads = threads
@@ -97,49 +102,60 @@ class LocalWriter(CommittingWriter):
         return not is_url(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._refuse_without_collectives(kwargs)
-        self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank") or 0)
-        self.save_id = new_save_id()
+        self._set_up(is_coordinator, kwargs)
         os.makedirs(self.path, exist_ok=True)
         if not self.overwrite and os.path.exists(os.path.join(self.path, RECORD_NAME)):
             raise CheckpointExistsError(self._exists_message())
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = self._plan_info(plan)
-        rank, save_id = info.rank, info.save_id
-        items = resolve_items(plan, planner)
+        rank, save_id = info.rank, self.save_id
+        items = resolve_items(plan, planner, self.allow_pickle)
         raw_lengths = {id(r): len(r.data) for r in items}
         codec_names = {id(r): self.codecs.encode(r) for r in items}
         slab_files, local_files = plan_files(items, rank, save_id, self.threads,
                                              slab_parts=self.workers)
-        for fp in slab_files + local_files:
-            fd = os.open(os.path.join(self.path, fp.name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                         0o644)
-            os.close(fd)
-        sums: dict[int, str] = {}
-        pending = []
-        if local_files:
-            if self._io is None:
-                self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-write")
-            pending = [self._io.submit(self._write_local, fp) for fp in local_files]
-        if slab_files:
-            jobs = [WriteJob(os.path.abspath(os.path.join(self.path, fp.name)),
-                             fp.slab_ranges(), self.fsync, self.direct_io)
-                    for fp in slab_files]  # one job per file: never two writers to a file
-            job_sums = shared_pool(self.workers, self.worker_nice).run(jobs)
-            sums.update(checksums_by_item(slab_files, job_sums))
-        for f in pending:
-            sums.update(f.result())
-        extents = [(r.item.index, Extent(fp.name, off, len(r.data), raw_lengths[id(r)],
-                                         codec_names[id(r)], sums[id(r)]))
-                   for fp in slab_files + local_files for r, off in fp.placed]
+        created: list[str] = []
+        try:
+            for fp in slab_files + local_files:
+                fd = os.open(os.path.join(self.path, fp.name),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                os.close(fd)
+                created.append(fp.name)
+            sums = self._write_files(slab_files, local_files)
+            extents = self._extents(slab_files + local_files, raw_lengths, codec_names, sums)
+        except BaseException:
+            self._delete_data(created)  # this save's own files: no other save is touched
+            raise
         results = self._results(info, extents)
         if self.fsync:
             fsync_dir(self.path)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
+
+    def _write_files(self, slab_files: list[FilePlan],
+                     local_files: list[FilePlan]) -> dict[int, str]:
+        """Write the planned files (slab-backed ones by the worker pool, the others by this
+        process's threads); the content checksums by ``id(item)``."""
+        sums: dict[int, str] = {}
+        pending = []
+        if local_files:
+            if self._io is None:
+                self._io = ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-write")
+            pending = [self._io.submit(self._write_local, fp) for fp in local_files]
+        try:
+            if slab_files:
+                jobs = [WriteJob(os.path.abspath(os.path.join(self.path, fp.name)),
+                                 fp.slab_ranges(), self.fsync, self.direct_io)
+                        for fp in slab_files]  # one job per file: never two writers to a file
+                job_sums = shared_pool(self.workers, self.worker_nice).run(jobs)
+                sums.update(checksums_by_item(slab_files, job_sums))
+        finally:
+            wait_futures(pending)  # no thread may still write when this returns or raises
+        for f in pending:
+            sums.update(f.result())
+        return sums
 
     def _write_local(self, fp: FilePlan) -> dict[int, str]:
         sums = {}
@@ -154,13 +170,14 @@ class LocalWriter(CommittingWriter):
             os.close(fd)
         return sums
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        extents, tables = self._collect(metadata, results)
-        record = encode_record(metadata, extents)
+    def _committed_record(self) -> bytes | None:
+        try:
+            return read_regular(self.path, RECORD_NAME, MAX_RECORD_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def _commit(self, record: bytes) -> None:
         atomic_write(os.path.join(self.path, RECORD_NAME), record, self.save_id)
-        self._delete_tables(tables)
-        if self.overwrite:
-            self._remove_unreferenced({e.file for e in extents.values()})
 
     def _put_table(self, name: str, data: bytes) -> None:
         fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -179,11 +196,12 @@ class LocalWriter(CommittingWriter):
         for name in names:
             os.unlink(os.path.join(self.path, name))
 
-    def _remove_unreferenced(self, keep: set[str]) -> None:
-        for name in os.listdir(self.path):
-            if _DATA_FILE.match(name) and name not in keep:
+    def _delete_data(self, names: Sequence[str]) -> None:
+        for name in names:
+            try:
                 os.unlink(os.path.join(self.path, name))
-                log.info("removed %s, replaced by the new commit", name)
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
         """Join this writer's threads and stop the shared worker pool (restarts on next use)."""

@@ -9,6 +9,7 @@ from typing import Any
 from dcp_plus.format.codecs import Codec
 from dcp_plus.format.nfsio import open_nfs_store
 from dcp_plus.format.objectio import ObjectStore
+from dcp_plus.writers.base import Fence
 from dcp_plus.writers.object_store import ObjectStoreWriter
 
 
@@ -36,7 +37,7 @@ class NFSWriter(ObjectStoreWriter):
         storage_options: for ``nfs://``: keyword arguments of ``nfs_rs.Client.connect``
             (``uid``, ``gid``, ``connect_timeout``, ``operation_timeout``...), untouched.
         overwrite: allow replacing a committed checkpoint; the old one stays loadable until
-            the new record is in place, then its data files are removed.
+            the new record is in place, then the data files it referenced are removed.
         fsync: fsync data files and directories of a mounted path (``nfs://`` writes are
             always durable when they return).
         part_size: unused on file systems (kept for the object-store signature).
@@ -45,6 +46,7 @@ class NFSWriter(ObjectStoreWriter):
         codec, codecs: as for :class:`~dcp_plus.writers.LocalWriter`.
         export: the export path for ``nfs://`` when it has more than one component
             (default: the URL's first path component).
+        fence, allow_pickle: as for :class:`~dcp_plus.writers.LocalWriter`.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``path`` and ``overwrite`` is off.
@@ -56,11 +58,13 @@ class NFSWriter(ObjectStoreWriter):
                  concurrency: int = 4, max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None,
-                 export: str | None = None) -> None:
+                 export: str | None = None, fence: Fence | None = None,
+                 allow_pickle: bool = False) -> None:
         super().__init__(os.fspath(path), storage_options, overwrite=overwrite,
                          part_size=part_size, concurrency=concurrency, max_retries=max_retries,
                          retry_base_delay=retry_base_delay, retry_max_delay=retry_max_delay,
-                         codec=codec, codecs=codecs)
+                         codec=codec, codecs=codecs, fence=fence,
+                         allow_pickle=allow_pickle)
         self.fsync = fsync
         self.export = export
 

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
-import re
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
@@ -19,19 +16,14 @@ from dcp_plus._worker import UploadJob
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
-from dcp_plus.format.layout import DATA_SUFFIX
 from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
-from dcp_plus.format.record import RECORD_NAME, Extent, encode_record
+from dcp_plus.format.record import RECORD_NAME
 from dcp_plus.format.retry import RetryPolicy
-from dcp_plus.writers.base import CommittingWriter, is_url, new_save_id
+from dcp_plus.writers.base import CommittingWriter, Fence, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
 from dcp_plus.writers.pool import DEFAULT_NICE, check_pool_settings, shared_pool
-
-log = logging.getLogger(__name__)
-
-_DATA_OBJECT = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
 
 
 class ObjectStoreWriter(CommittingWriter):
@@ -47,7 +39,7 @@ class ObjectStoreWriter(CommittingWriter):
         storage_options: passed to fsspec untouched (s3fs: ``endpoint_url``, ``key``,
             ``secret``, ``client_kwargs``, ``config_kwargs``...).
         overwrite: allow replacing a committed checkpoint; the old one stays loadable until
-            the new record is in place, then its data objects are deleted.
+            the new record is in place, then the data objects it referenced are deleted.
         part_size: multipart part size in bytes (S3 needs >= 5 MiB).
         concurrency: requests in flight per rank; bounds memory to ``concurrency * part_size``.
         max_retries: retries per request on throttling, 5xx and connection failures.
@@ -63,6 +55,7 @@ class ObjectStoreWriter(CommittingWriter):
             by these processes from ``(slab, offset, length)`` descriptors, one object per
             slab, so the trainer's threads only do bookkeeping; other data (and every other
             filesystem, ``memory://`` being per process) is uploaded by this process.
+        fence, allow_pickle: as for :class:`~dcp_plus.writers.LocalWriter`.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``url`` and ``overwrite`` is off.
@@ -76,8 +69,11 @@ class ObjectStoreWriter(CommittingWriter):
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None, workers: int = 2,
-                 worker_nice: int = DEFAULT_NICE) -> None:
+                 worker_nice: int = DEFAULT_NICE, fence: Fence | None = None,
+                 allow_pickle: bool = False) -> None:
         super().__init__()
+        self.fence = fence
+        self.allow_pickle = allow_pickle
         check_pool_settings("ObjectStoreWriter", workers, worker_nice)
         self.workers = workers
         self.worker_nice = worker_nice
@@ -114,10 +110,7 @@ class ObjectStoreWriter(CommittingWriter):
         return is_url(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self._refuse_without_collectives(kwargs)
-        self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank") or 0)
-        self.save_id = new_save_id()
+        self._set_up(is_coordinator, kwargs)
         if is_coordinator and not self.overwrite and self._committed():
             raise CheckpointExistsError(self._exists_message())
 
@@ -126,8 +119,8 @@ class ObjectStoreWriter(CommittingWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = self._plan_info(plan)
-        rank, save_id = info.rank, info.save_id
-        items = resolve_items(plan, planner)
+        rank, save_id = info.rank, self.save_id
+        items = resolve_items(plan, planner, self.allow_pickle)
         raw_lengths = {id(r): len(r.data) for r in items}
         codec_names = {id(r): self.codecs.encode(r) for r in items}
         slab_files, other_files = plan_files(items, rank, save_id, bins=1)
@@ -145,9 +138,7 @@ class ObjectStoreWriter(CommittingWriter):
             self._store.upload(objects)
             if pending is not None:
                 sums.update(pending.result())
-        extents = [(r.item.index, Extent(fp.name, off, len(r.data), raw_lengths[id(r)],
-                                         codec_names[id(r)], sums[id(r)]))
-                   for fp in files for r, off in fp.placed]
+        extents = self._extents(files, raw_lengths, codec_names, sums)
         results = self._results(info, extents)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -164,15 +155,13 @@ class ObjectStoreWriter(CommittingWriter):
                 for fp in files]
         return checksums_by_item(files, shared_pool(self.workers, self.worker_nice).run(jobs))
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        extents, tables = self._collect(metadata, results)
-        record = encode_record(metadata, extents)
+    def _committed_record(self) -> bytes | None:
+        return self._store.get(RECORD_NAME)
+
+    def _commit(self, record: bytes) -> None:
         if not self._store.put(RECORD_NAME, record, if_absent=not self.overwrite):
             raise CheckpointExistsError(self._exists_message() + " (it was committed while "
                                         "this save was running)")
-        self._delete_tables(tables)
-        if self.overwrite:
-            self._remove_unreferenced({e.file for e in extents.values()})
 
     def _put_table(self, name: str, data: bytes) -> None:
         self._store.put(name, data, if_absent=False)
@@ -186,11 +175,8 @@ class ObjectStoreWriter(CommittingWriter):
     def _delete_tables(self, names: Sequence[str]) -> None:
         self._store.delete(list(names))
 
-    def _remove_unreferenced(self, keep: set[str]) -> None:
-        stale = [n for n in self._store.list() if _DATA_OBJECT.match(n) and n not in keep]
-        self._store.delete(stale)
-        for name in stale:
-            log.info("removed %s, replaced by the new commit", self._store.location(name))
+    def _delete_data(self, names: Sequence[str]) -> None:
+        self._store.delete(list(names))
 
     def close(self) -> None:
         """Release this writer's connections and threads (reopened on next use)."""

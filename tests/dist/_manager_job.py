@@ -49,7 +49,8 @@ def main(spec_path: str, rank_arg: str) -> None:
                 time.sleep(0.001)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    manager = CheckpointManager(root, keep_last=None, interval=EVERY, on_phase=hook)
+    manager = CheckpointManager(root, keep_last=None, interval=EVERY, on_phase=hook,
+                                takeover=True)
     state = expected(rank, 0)
     w = state[f"r{rank}"]["w"]
     for step in range(1, spec["until"] + 1):

@@ -211,3 +211,13 @@ def test_permission_denied_fails_the_handle_and_keeps_older_checkpoints(tmp_path
     assert report["w0"] == 3.0 and report["listed"] == [1]
     assert record_path(root / "step_00000001").read_bytes() == before
     assert verify(str(root / "step_00000001")).ok
+
+
+def test_history_keeps_only_the_most_recent_saves(tmp_path):
+    with CheckpointManager(tmp_path, history_size=4, interval=1) as m:
+        for step in range(1, 11):
+            m.save(step, state(step, 4096)).result()
+        assert [s.step for s in m.history] == [7, 8, 9, 10]
+        assert len(m._completed) <= 4  # save() without maybe_save() never drains it
+    with pytest.raises(ValueError, match="history_size"):
+        CheckpointManager(tmp_path, history_size=0)

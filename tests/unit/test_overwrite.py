@@ -6,6 +6,8 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_plus import LocalWriter
@@ -71,15 +73,30 @@ def test_failed_overwrite_leaves_the_old_checkpoint_loadable(tmp_path):
     assert_bit_exact(load(load_target(v1), tmp_path / "ckpt"), v1)
 
 
-def test_leftovers_of_an_uncommitted_save_neither_block_nor_survive_an_overwrite(tmp_path):
+def test_files_of_another_save_neither_block_nor_are_removed_by_an_overwrite(tmp_path):
+    # a file of another save (one that crashed, or one still running in another process)
+    # is not the replaced record's: the overwrite removes only what that record referenced
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    (ckpt / "__0_0.deadbeefdeadbeef.dcpp").write_bytes(b"partial")  # a crashed save's file
+    (ckpt / "__0_0.deadbeefdeadbeef.dcpp").write_bytes(b"partial")
     v1 = {"w": torch.arange(10.0)}
 
     save(v1, ckpt)  # no commit record there: not an existing checkpoint
     assert_bit_exact(load(load_target(v1), ckpt), v1)
+    first = referenced_files(ckpt)
     save({"w": torch.ones(10)}, ckpt, overwrite=True)
 
-    assert "__0_0.deadbeefdeadbeef.dcpp" not in data_files(ckpt)
-    assert data_files(ckpt) == referenced_files(ckpt)
+    assert (ckpt / "__0_0.deadbeefdeadbeef.dcpp").read_bytes() == b"partial"
+    assert not first & data_files(ckpt)
+    assert data_files(ckpt) == referenced_files(ckpt) | {"__0_0.deadbeefdeadbeef.dcpp"}
+
+
+def test_dcp_plan_caching_overwriting_one_directory_saves_every_time(tmp_path):
+    # DCP's cache skips prepare_global_plan on a hit: each save's id must not come from it
+    planner = type("CachedForOverwrite", (DefaultSavePlanner,), {})(enable_plan_caching=True)
+    for i in range(4):
+        sd = {"w": torch.full((1000,), float(i)), "b": torch.arange(10) * i}
+        dcp.save(sd, storage_writer=LocalWriter(tmp_path / "ckpt", overwrite=True),
+                 planner=planner, no_dist=True)
+        assert_bit_exact(load(load_target(sd), tmp_path / "ckpt"), sd)
+        assert data_files(tmp_path / "ckpt") == referenced_files(tmp_path / "ckpt")

@@ -21,9 +21,17 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.record import FORMAT_NAME, FORMAT_VERSION, Extent, decode_record, encode_record
-from tests.conftest import load_fails, load_target, read_record_json, save, write_record_json
+from tests.conftest import (
+    load_fails,
+    load_target,
+    read_record_json,
+    save,
+    seal_record,
+    write_record_json,
+)
 
 SOURCE = "/ckpt/step_7/.metadata"
+SUM = "xxh3-64id:%016x"
 
 
 def _metadata() -> tuple[Metadata, dict[MetadataIndex, Extent]]:
@@ -37,10 +45,9 @@ def _metadata() -> tuple[Metadata, dict[MetadataIndex, Extent]]:
                                            modules=["model"]),
                   version="1.0.0")
     extents = {
-        MetadataIndex("w", [0, 0]): Extent("__0_0.abc.dcpp", 0, 24, 24, "identity", "xxh3-64:1"),
-        MetadataIndex("w", [2, 0]): Extent("__1_0.abc.dcpp", 4096, 24, 24, "identity",
-                                           "xxh3-64:2"),
-        MetadataIndex("step"): Extent("__0_0.abc.dcpp", 8192, 500, 500, "identity", "xxh3-64:3"),
+        MetadataIndex("w", [0, 0]): Extent("__0_0.abc.dcpp", 0, 24, 24, "identity", SUM % 1),
+        MetadataIndex("w", [2, 0]): Extent("__1_0.abc.dcpp", 4096, 24, 24, "identity", SUM % 2),
+        MetadataIndex("step"): Extent("__0_0.abc.dcpp", 8192, 500, 500, "identity", SUM % 3),
     }
     return md, extents
 
@@ -86,7 +93,7 @@ BAD_RECORDS = {
     # name: (edit, field the message must name)
     "unknown_format": (_set(["format"], "torch_dcp"), "'format'"),
     "missing_format": (_delete(["format"]), "'format'"),
-    "future_version": (_set(["version"], 2), "'version'"),
+    "future_version": (_set(["version"], 3), "'version'"),
     "version_as_string": (_set(["version"], "1"), "'version'"),
     "version_as_bool": (_set(["version"], True), "'version'"),
     "missing_version": (_delete(["version"]), "'version'"),
@@ -149,7 +156,7 @@ def test_malformed_record_is_refused_naming_field_and_file(case):
     edit(rec)
 
     with pytest.raises(CheckpointFormatError) as info:
-        decode_record(json.dumps(rec).encode(), SOURCE)
+        decode_record(seal_record(rec), SOURCE)
 
     assert SOURCE in str(info.value)
     assert field in str(info.value), str(info.value)
@@ -165,7 +172,7 @@ def test_non_record_bytes_are_refused_naming_the_file(data):
 def test_unchanged_record_still_parses():
     # guards the table above: each case must fail because of its edit alone
     rec = copy.deepcopy(_record())
-    decode_record(json.dumps(rec).encode(), SOURCE)
+    decode_record(seal_record(rec), SOURCE)
 
 
 def test_record_naming_unknown_version_is_refused_through_dcp_load(tmp_path):
@@ -189,4 +196,4 @@ def test_tensor_without_an_extent_is_reported_at_load(tmp_path):
 
     msg = load_fails(load_target(sd), tmp_path / "ckpt")
 
-    assert "CheckpointFormatError" in msg and "'v'" in msg and "no extent" in msg
+    assert ".metadata" in msg and "'v'" in msg and "no extent" in msg

@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dcp_plus import LocalReader, SafeLoadPlanner
 from dcp_plus.errors import CheckpointFormatError, UnsafeCheckpointError
-from dcp_plus.format.checksum import checksum_bytes
 from tests.conftest import (
     assert_bit_exact,
     build_state_dict,
     clone_state,
     data_files,
+    extent_checksum,
     load,
     load_fails,
     load_target,
@@ -129,8 +129,8 @@ def test_reader_refuses_unpickling_a_crafted_value_even_with_the_default_planner
     (tmp_path / "ckpt" / "__0_9.0bad.dcpp").write_bytes(evil)
     rec = read_record_json(tmp_path / "ckpt")
     ext = next(e for e in rec["extents"] if e["fqn"] == "v")
-    ext.update(file="__0_9.0bad.dcpp", offset=0, length=len(evil), raw_length=len(evil),
-               checksum=checksum_bytes(evil))
+    ext.update(file="__0_9.0bad.dcpp", offset=0, length=len(evil), raw_length=len(evil))
+    ext["checksum"] = extent_checksum(rec, ext, evil)
     write_record_json(tmp_path / "ckpt", rec)
 
     with pytest.raises(CheckpointException) as info:

@@ -1,0 +1,150 @@
+"""What a commit record must satisfy before any data is read: the rules that make a decoded
+record safe to act on (every tensor loaded whole, every read bounded, nothing aliased).
+
+``decode_record`` applies them; they are kept here so that the schema parsing in
+``record.py`` stays readable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.format.extent import BYTESIO, Extent
+
+INT64_MAX = (1 << 63) - 1
+MAX_DIMS = 64
+
+_STORED = [
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16",
+]
+STORED_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in _STORED if isinstance(getattr(torch, n, None), torch.dtype)}
+"""The dtypes a dcp_plus writer stores (as raw bytes), by record name; nothing else loads."""
+
+Fail = Callable[[str, str], CheckpointFormatError]
+"""``fail(field, problem)``: the error to raise, naming the field and the record."""
+
+
+def check_tiling(size: torch.Size, chunks: list[ChunkStorageMetadata], field: str,
+                 fail: Fail) -> None:
+    """The chunks of a tensor of ``size`` cover every element exactly once.
+
+    Each chunk already lies inside the tensor; so chunks that are pairwise disjoint and whose
+    volumes add up to the tensor's element count tile it. Empty chunks hold nothing and are
+    allowed (an FSDP rank whose shard of an unevenly split tensor is empty saves one).
+    """
+    numel = math.prod(size)
+    if numel == 0:
+        return
+    if not chunks:
+        raise fail(field, f"no chunks for a tensor of {numel} elements: it would not be loaded")
+    where = [i for i, c in enumerate(chunks) if math.prod(c.sizes)]
+    solid = [chunks[i] for i in where]
+    total = sum(math.prod(c.sizes) for c in solid)
+    if total != numel:
+        raise fail(field, f"the chunks hold {total} elements, the tensor has {numel}: they "
+                          "do not tile it")
+    overlap = _first_overlap(solid)
+    if overlap is not None:
+        raise fail(field, f"chunks {where[overlap[0]]} and {where[overlap[1]]} overlap")
+
+
+def _first_overlap(chunks: list[ChunkStorageMetadata]) -> tuple[int, int] | None:
+    """Two overlapping chunks, by a sweep along the dimension with the most distinct offsets
+    (near-linear for shardings along one or two dimensions)."""
+    ndim = len(chunks[0].offsets)
+    if ndim == 0:
+        return (0, 1) if len(chunks) > 1 else None
+    d = max(range(ndim), key=lambda k: len({c.offsets[k] for c in chunks}))
+    order = sorted(range(len(chunks)), key=lambda i: chunks[i].offsets[d])
+    active: list[int] = []
+    for i in order:
+        c = chunks[i]
+        start = c.offsets[d]
+        active = [j for j in active if chunks[j].offsets[d] + chunks[j].sizes[d] > start]
+        for j in active:
+            o = chunks[j]
+            if all(c.offsets[k] < o.offsets[k] + o.sizes[k] and
+                   o.offsets[k] < c.offsets[k] + c.sizes[k] for k in range(ndim)):
+                return min(i, j), max(i, j)
+        active.append(i)
+    return None
+
+
+def check_extents_match_items(
+        items: Mapping[str, TensorStorageMetadata | BytesStorageMetadata],
+        storage: Mapping[MetadataIndex, Extent], rows: Mapping[MetadataIndex, int],
+        fail: Fail) -> None:
+    """Extents and items correspond one to one, with the lengths the items imply: each
+    tensor chunk has one extent of exactly its bytes, each value one uncompressed extent.
+
+    ``rows`` gives each extent's row in the record, for the messages.
+    """
+    chunk_sizes = {fqn: {tuple(c.offsets): c.sizes for c in md.chunks}
+                   for fqn, md in items.items() if isinstance(md, TensorStorageMetadata)}
+    for index, ext in storage.items():
+        where = f"extents[{rows[index]}]"
+        md = items[index.fqn]
+        if isinstance(md, BytesStorageMetadata):
+            if index.offset is not None:
+                raise fail(f"{where}.chunk", f"{index.fqn!r} is a value, not a tensor chunk")
+            if ext.codec != "identity":
+                raise fail(f"{where}.codec", f"value {index.fqn!r}: values are stored uncompressed")
+            if ext.value not in (None, BYTESIO):
+                raise fail(f"{where}.value", f"value {index.fqn!r}: unknown value kind {ext.value!r}")
+        else:
+            if ext.value is not None:
+                raise fail(f"{where}.value", f"tensor {index.fqn!r}: tensor extents have no value kind")
+            sizes = None if index.offset is None else chunk_sizes[index.fqn].get(
+                tuple(index.offset))
+            if sizes is None:
+                raise fail(f"{where}.chunk", f"tensor {index.fqn!r} has no chunk at "
+                                             f"{None if index.offset is None else list(index.offset)}")
+            nbytes = math.prod(sizes) * md.properties.dtype.itemsize
+            if ext.raw_length != nbytes:
+                raise fail(f"{where}.raw_length",
+                           f"tensor {index.fqn!r}: {ext.raw_length} bytes, but chunk {list(sizes)} of "
+                           f"{str(md.properties.dtype).removeprefix('torch.')} holds {nbytes}")
+        if ext.codec == "identity" and ext.length != ext.raw_length:
+            raise fail(where, f"{index.fqn!r}: uncompressed extent with length {ext.length} != "
+                              f"raw_length {ext.raw_length}")
+    for fqn, md in items.items():
+        if isinstance(md, BytesStorageMetadata):
+            if MetadataIndex(fqn) not in storage:
+                raise fail("extents", f"no extent recorded for value {fqn!r}")
+            continue
+        for c in md.chunks:
+            if MetadataIndex(fqn, c.offsets) not in storage:
+                chunk = f" chunk {list(c.offsets)}" if any(c.offsets) else ""
+                raise fail("extents", f"no extent recorded for tensor {fqn!r}{chunk}")
+
+
+def check_no_aliasing(extents: Mapping[MetadataIndex, Extent], fail: Fail) -> None:
+    """No two non-empty extents share a byte of a data file: a writer never stores two items
+    in one place (``extents`` in record order)."""
+    by_file: dict[str, list[tuple[int, int, int, str]]] = {}
+    for row, (index, ext) in enumerate(extents.items()):
+        if ext.length:
+            by_file.setdefault(ext.file, []).append((ext.offset, ext.length, row, index.fqn))
+    for name, spans in by_file.items():
+        spans.sort()
+        end, prev, prev_fqn = -1, -1, ""
+        for offset, length, row, fqn in spans:
+            if offset < end:
+                raise fail(f"extents[{row}]", f"the bytes {offset}..{offset + length} of "
+                                              f"{name!r} it gives {fqn!r} are also those of "
+                                              f"extents[{prev}] ({prev_fqn!r})")
+            end, prev, prev_fqn = offset + length, row, fqn
