@@ -191,6 +191,11 @@ class ArenaStager(AsyncStager):
                 go.set()
             self._cond.notify_all()
         self._engine.close()
+        # close() on the thread that consumed a snapshot (an upload future's done callback
+        # runs there while the save's arguments still hold the staged dict): that save is
+        # over, and waiting for its dict to die would wait forever
+        me = threading.current_thread()
+        self._reclaim(lambda t: t is me, "close() runs on its thread {name}", logging.INFO)
         if not self.wait_persisted(timeout):
             logger.warning(
                 "ArenaStager.close(): %d snapshot(s) still referenced after %ss; freeing anyway",
@@ -412,21 +417,21 @@ class ArenaStager(AsyncStager):
         reused. Other consumers (a user's thread, the PROCESS executor) are never presumed
         done.
         """
+        self._reclaim(lambda t: t.name.startswith(_SAVE_THREAD_PREFIX) and not t.is_alive(),
+                      "its thread {name} exited", logging.WARNING)
+
+    def _reclaim(self, ended: Any, why: str, level: int) -> None:
+        """Free every in-use buffer whose consumer thread ``ended(thread)`` says is done."""
         with self._cond:
             for arena in self._arenas:
                 for buf in arena.buffers:
                     t = buf.consumer
-                    if (
-                        buf.in_use
-                        and t is not None
-                        and t.name.startswith(_SAVE_THREAD_PREFIX)
-                        and not t.is_alive()
-                    ):
-                        logger.warning(
-                            "ArenaStager: the save that used a snapshot ended (its thread %s "
-                            "exited) but its staged dict is still referenced, usually by a "
-                            "failed save's exception; reusing its buffer",
-                            t.name,
+                    if buf.in_use and t is not None and ended(t):
+                        logger.log(
+                            level, "ArenaStager: the save that used a snapshot ended (%s) but its "
+                            "staged dict is still referenced, usually by a failed save's "
+                            "exception or the save's own arguments; reusing its buffer",
+                            why.format(name=t.name),
                         )
                         buf.generation += 1  # the old dict's finalizer no longer counts
                         buf.consumer = None

@@ -315,6 +315,17 @@ def test_close_waits_for_a_persist_still_reading_the_arena():
     assert closed.is_set() and not _my_segments()
 
 
+def test_close_from_the_upload_done_callback_returns(tmp_path):
+    # the callback runs on the save's thread, whose arguments still hold the staged dict
+    stager = ArenaStager()
+    closed = threading.Event()
+    resp = dcp.async_save({"w": torch.ones(4096)}, storage_writer=LocalWriter(tmp_path / "c"),
+                          async_stager=stager, no_dist=True)
+    resp.upload_completion.add_done_callback(lambda _: (stager.close(), closed.set()))
+    resp.upload_completion.result(timeout=60)
+    assert closed.wait(60) and not _my_segments()
+
+
 def test_close_with_timeout_frees_names_but_live_views_stay_readable():
     stager = ArenaStager()
     staged = stager.stage({"w": torch.ones(1024)}).result()
