@@ -33,7 +33,7 @@ from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.checksum import ALGORITHM, BOUND_ALGORITHM, checksum_bytes
 from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.extent import Extent, extent_identity
-from dcp_plus.format.layout import MAX_RECORD_BYTES
+from dcp_plus.format.layout import MAX_RECORD_BYTES, is_data_file
 from dcp_plus.format.record_checks import (
     INT64_MAX,
     MAX_DIMS,
@@ -247,7 +247,57 @@ def decode_record(data: bytes, source: str) -> Metadata:
                     version=_decode_dcp_version(p, root))
 
 
+def _ints_ok(values: Any, ndim: int) -> bool:
+    return (type(values) is list and len(values) == ndim
+            and all(type(v) is int and 0 <= v <= INT64_MAX for v in values))
+
+
+def _fast_tensor(item: Any) -> TensorStorageMetadata | None:
+    """The common well-formed tensor item, checked with the fewest operations; None for
+    anything else, which :func:`_decode_item` then parses field by field (and names the
+    field that is wrong)."""
+    if type(item) is not dict or item.get("kind") != "tensor":
+        return None
+    dname, grad, size, chunks = (item.get("dtype"), item.get("requires_grad"), item.get("size"),
+                                 item.get("chunks"))
+    if type(dname) is not str or dname not in STORED_DTYPES or type(grad) is not bool:
+        return None
+    if type(size) is not list or len(size) > MAX_DIMS or not _ints_ok(size, len(size)):
+        return None
+    dtype = STORED_DTYPES[dname]
+    if type(chunks) is not list or _nbytes(size, dtype) > INT64_MAX:
+        return None
+    parsed = []
+    for c in chunks:
+        if type(c) is not dict:
+            return None
+        offsets: Any = c.get("offsets")
+        sizes: Any = c.get("sizes")
+        if not (_ints_ok(offsets, len(size)) and _ints_ok(sizes, len(size))):
+            return None
+        if (sizes != size or any(offsets)) and any(
+                o + n > t for o, n, t in zip(offsets, sizes, size, strict=True)):
+            return None
+        parsed.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+    whole = len(parsed) == 1 and not any(chunks[0]["offsets"]) and chunks[0]["sizes"] == size
+    if not whole and not _tiles(torch.Size(size), parsed):
+        return None
+    return TensorStorageMetadata(TensorProperties(dtype=dtype, requires_grad=grad),
+                                 torch.Size(size), parsed)
+
+
+def _tiles(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> bool:
+    try:
+        check_tiling(size, chunks, "", lambda f, m: CheckpointFormatError(m))
+    except CheckpointFormatError:
+        return False
+    return True
+
+
 def _decode_item(p: _Parser, fqn: str, item: Any) -> TensorStorageMetadata | BytesStorageMetadata:
+    fast = _fast_tensor(item)
+    if fast is not None:
+        return fast
     where = f"items[{fqn!r}]"
     kind = p.get(item, "kind", str, where)
     if kind == "bytes":
@@ -291,7 +341,14 @@ def _decode_extents(p: _Parser, rows: list[Any],
     must name one of them."""
     storage: dict[MetadataIndex, Extent] = {}
     where_of: dict[MetadataIndex, int] = {}
+    checksum = _CHECKSUM[version]
     for i, entry in enumerate(rows):
+        fast = _fast_row(entry, checksum)
+        if fast is not None and (items is None or fast[0].fqn in items) and \
+                fast[0] not in storage:
+            storage[fast[0]] = fast[1]
+            where_of[fast[0]] = i
+            continue
         where = f"{field}[{i}]"
         fqn = p.get(entry, "fqn", str, where)
         if items is not None and fqn not in items:
@@ -324,6 +381,36 @@ def _decode_extents(p: _Parser, rows: list[Any],
         storage[index] = ext
         where_of[index] = i
     return storage, where_of
+
+
+def _fast_row(entry: Any, checksum: re.Pattern[str]) -> tuple[MetadataIndex, Extent] | None:
+    """The common well-formed extent row (one of our data files, a known codec), checked
+    with the fewest operations; None for anything else, which the field-by-field parse then
+    refuses or accepts with a precise message."""
+    if type(entry) is not dict:
+        return None
+    try:
+        fqn, chunk, file, offset, length, raw, codec, cs = (
+            entry["fqn"], entry["chunk"], entry["file"], entry["offset"], entry["length"],
+            entry["raw_length"], entry["codec"], entry["checksum"])
+    except KeyError:
+        return None
+    value = entry.get("value")
+    if not (type(fqn) is str and type(offset) is int and type(length) is int
+            and type(raw) is int and type(codec) is str and type(cs) is str
+            and type(file) is str and (value is None or type(value) is str)):
+        return None
+    if not (offset >= 0 and length >= 0 and 0 <= raw <= INT64_MAX
+            and offset + length <= INT64_MAX and len(fqn) <= MAX_NAME_CHARS):
+        return None
+    if chunk is not None and (type(chunk) is not list or len(chunk) > MAX_DIMS
+                              or not _ints_ok(chunk, len(chunk))):
+        return None
+    if check_text(fqn) is not None or (value is not None and check_text(value) is not None):
+        return None
+    if not (is_data_file(file) and known_codec(codec) and checksum.match(cs)):
+        return None
+    return MetadataIndex(fqn, chunk), Extent(file, offset, length, raw, codec, cs, value)
 
 
 def _decode_storage_meta(p: _Parser, root: dict[str, Any]) -> StorageMeta:

@@ -408,3 +408,39 @@ def test_object_shrinking_or_server_failing_during_load_is_reported(seaweed: Sea
         assert name in str(e.value)
     finally:
         proxy.close()
+
+
+def test_an_s3_root_has_one_writer_held_by_conditional_puts(seaweed: SeaweedServer,
+                                                            prefix: str) -> None:
+    from dcp_plus.errors import CheckpointSaveError, LeaseHeldError
+    from dcp_plus.manager import CheckpointManager
+    from dcp_plus.manager.lease import LEASE_DIR, Holder, gen_name
+    from dcp_plus.manager.object_backend import ObjectStoreBackend
+
+    root, opts = f"s3://{BUCKET}/{prefix}/run", seaweed.storage_options()
+    store = ObjectStoreBackend(opts).lease_store(f"{root}/{LEASE_DIR}")
+    with ThreadPoolExecutor(8) as pool:  # the server decides: exactly one create wins
+        wins = list(pool.map(lambda i: store.create("race", f"{i}".encode()), range(8)))
+    assert wins.count(True) == 1
+
+    with CheckpointManager(root, storage_options=opts, interval=1) as m:
+        m.save(1, state()).result(timeout=120)
+        with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}"):
+            CheckpointManager(root, storage_options=opts)
+        with CheckpointManager(root, storage_options=opts, read_only=True) as reader:
+            out = zeros_like(state())
+            assert reader.load_latest(out) == 1
+        gens = [n for n in store.list() if n.startswith("gen-") and n[4:].isdigit()]
+        usurper = Holder(generation=int(max(gens)[4:]) + 1, holder_id="u", host="other-node",
+                         pid=1, started=0.0, command="other job")
+        assert store.create(gen_name(usurper.generation), usurper.encode())
+        before = keys(seaweed, prefix)
+        with pytest.raises(CheckpointSaveError, match="LeaseLostError.*other-node"):
+            m.save(2, state()).result(timeout=120)
+        assert keys(seaweed, prefix) == before  # the fenced writer wrote nothing
+    # the usurper never heartbeats: expired, so a restart may take the root back
+    with CheckpointManager(root, storage_options=opts, takeover=True) as again:
+        assert "other-node" in (again.took_over or "")
+        out = zeros_like(state())
+        assert again.load_latest(out) == 1
+        again.save(3, state()).result(timeout=120)
