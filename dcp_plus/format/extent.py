@@ -28,9 +28,16 @@ class Extent:
     value: str | None = None
 
 
-def extent_identity(index: MetadataIndex, dtype_name: str | None, ext: Extent) -> str:
+def identity_of(fqn: str, chunk: tuple[int, ...] | list[int] | None, dtype_name: str | None,
+                raw_length: int, length: int, codec: str, value: str | None) -> str:
     """What an extent holds, as the text its version-2 checksum is bound to: the item, the
     chunk's offsets, the dtype (``None`` for bytes), the lengths, the codec, the value kind."""
-    chunk = "-" if index.offset is None else ",".join(map(str, index.offset))
-    return "\x00".join((index.fqn, chunk, dtype_name or "bytes", str(ext.raw_length),
-                        str(ext.length), ext.codec, ext.value or ""))
+    where = "-" if chunk is None else ",".join(map(str, chunk))
+    return f"{fqn}\x00{where}\x00{dtype_name or 'bytes'}\x00{raw_length}\x00{length}\x00{codec}" \
+           f"\x00{value or ''}"
+
+
+def extent_identity(index: MetadataIndex, dtype_name: str | None, ext: Extent) -> str:
+    """:func:`identity_of` the extent ``ext`` of item ``index``."""
+    return identity_of(index.fqn, index.offset, dtype_name, ext.raw_length, ext.length,
+                       ext.codec, ext.value)

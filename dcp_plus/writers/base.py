@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from dcp_plus.errors import CheckpointFormatError, DcpPlusError
 from dcp_plus.format.checksum import bind_checksum, checksum_bytes
+from dcp_plus.format.extent import identity_of
 from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import (
     Extent,
@@ -26,7 +28,6 @@ from dcp_plus.format.record import (
     dtype_name,
     encode_extent_table,
     encode_record,
-    extent_identity,
 )
 from dcp_plus.format.strict_json import check_text
 from dcp_plus.writers.layout import FilePlan
@@ -197,20 +198,29 @@ class CommittingWriter(StorageWriter):
         """The extents of the items placed in ``files``; raw lengths, codecs and content
         ``sums`` by ``id(item)``; checksums bound to each extent's identity (version 2)."""
         out = []
+        dtype_names: dict[torch.dtype, str] = {}
         for fp in files:
+            name = fp.name
             for r, off in fp.placed:
                 index = r.item.index
-                problem = check_text(index.fqn)
-                if problem is not None:
-                    raise CheckpointFormatError(f"state dict key {index.fqn!r} {problem}; "
-                                                "dcp_plus records keys as UTF-8 text")
+                fqn = index.fqn
+                if not fqn.isascii() or "\x00" in fqn:
+                    problem = check_text(fqn)
+                    if problem is not None:
+                        raise CheckpointFormatError(f"state dict key {fqn!r} {problem}; "
+                                                    "dcp_plus records keys as UTF-8 text")
                 td = r.item.tensor_data
-                raw_length = raw_lengths[id(r)]
-                ext = Extent(fp.name, off, len(r.data), raw_length, codecs[id(r)], "", r.value)
-                identity = extent_identity(
-                    index, None if td is None else dtype_name(td.properties.dtype), ext)
-                out.append((index, Extent(fp.name, off, ext.length, raw_length, ext.codec,
-                                          bind_checksum(sums[id(r)], identity), r.value)))
+                dname = None
+                if td is not None:
+                    dtype = td.properties.dtype
+                    dname = dtype_names.get(dtype) or dtype_names.setdefault(
+                        dtype, dtype_name(dtype))
+                key = id(r)
+                raw_length, length, codec = raw_lengths[key], len(r.data), codecs[key]
+                identity = identity_of(fqn, index.offset, dname, raw_length, length, codec,
+                                       r.value)
+                out.append((index, Extent(name, off, length, raw_length, codec,
+                                          bind_checksum(sums[key], identity), r.value)))
         return out
 
     def _results(self, info: RankInfo,
