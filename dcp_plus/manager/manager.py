@@ -167,13 +167,17 @@ class CheckpointManager:
         self.history: deque[SaveStats] = deque(maxlen=history_size)
         """The most recent saves' stats, oldest first (at most ``history_size``)."""
         self.cleaned: _List[str] = []
-        if self.is_coordinator and self._lease is not None:
-            # the lease holder alone cleans up, before any save of its own has started
-            self.backend.makedirs(self.root)
-            self.cleaned = self._clean_uncommitted()
-            self._repair_pointer()
-        if self._dist:
-            dist.barrier(group=self._ctl)
+        try:
+            if self.is_coordinator and self._lease is not None:
+                # the lease holder alone cleans up, before any save of its own has started
+                self.backend.makedirs(self.root)
+                self.cleaned = self._clean_uncommitted()
+                self._repair_pointer()
+            if self._dist:
+                dist.barrier(group=self._ctl)
+        except BaseException:
+            self.close()  # gives the lease back: a retry in this process must not find it held
+            raise
 
     def _acquire_lease(self, takeover: bool, timeout_s: float) -> RootLease | None:
         """The root's lease, held by the coordinator; every rank raises if it is refused."""
