@@ -27,7 +27,7 @@ from tests.unit._untrusted import load_outcome, no_traceback, save_rich
 FAST = settings(max_examples=150, derandomize=True, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
-SOAK = settings(FAST, max_examples=3000)
+SOAK = settings(FAST, max_examples=3000, derandomize=False)  # new mutants every soak
 OUTCOMES: Counter[str] = Counter()
 
 
@@ -117,8 +117,10 @@ def _check(path: Path, state: dict[str, Any], what: str, data: bytes,
     rc = cli(["verify", str(path)])
     out, err = capsys.readouterr()
     assert rc in (0, 1) and no_traceback(out + err), (what, rc, out, err)
-    if rc == 0:  # verify's OK means the checkpoint loads as saved
-        assert kind == "exact", (what, detail)
+    if rc == 0:  # verify's OK: the checkpoint loads as saved, unless the destination
+        # disagrees with what the record now claims (an edited empty tensor's shape),
+        # which DCP refuses naming the tensor and verify, without a destination, cannot see
+        assert kind == "exact" or "Size mismatch" in detail, (what, detail)
     OUTCOMES[kind] += 1
     return kind
 
@@ -146,7 +148,8 @@ def test_mutated_records_are_refused_or_load_bit_exact(rich, capsys, data):
 def test_mutated_records_soak(rich, capsys, data):
     _fuzz(rich, capsys, data.draw(mutants(rich[2])))
     if sum(OUTCOMES.values()) % 1000 == 0:
-        print(dict(OUTCOMES))
+        with capsys.disabled():
+            print(dict(OUTCOMES))
 
 
 @FAST
