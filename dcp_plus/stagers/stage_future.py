@@ -30,6 +30,7 @@ class StageFuture(Future[T]):
         super().__init__()
         self.go = threading.Event()
         self._owner = threading.get_ident()
+        self._setter: int | None = None
         self.consumer: threading.Thread | None = None  # first other thread to wait on it
         self._sink: Callable[[threading.Thread], None] | None = None
         self.set_running_or_notify_cancel()
@@ -44,6 +45,14 @@ class StageFuture(Future[T]):
         super().add_done_callback(fn)
         self.go.set()
 
+    def set_result(self, result: T) -> None:
+        self._setter = threading.get_ident()  # done-callbacks run here, inside this call
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException | None) -> None:
+        self._setter = threading.get_ident()
+        super().set_exception(exception)
+
     def result(self, timeout: float | None = None) -> T:
         self._owner_waits()
         return super().result(timeout)
@@ -53,9 +62,13 @@ class StageFuture(Future[T]):
         return super().exception(timeout)
 
     def _owner_waits(self) -> None:
-        if threading.get_ident() == self._owner:
+        me = threading.get_ident()
+        if me == self._owner:
             self.go.set()
-        elif self.consumer is None:
+        elif self.consumer is None and me != self._setter:
+            # (a done-callback reading the result on the copy thread that completed the
+            # future, as async_save's staging callback does, is no consumer: the save is not
+            # running there)
             # async_save's executor thread: the save runs on it, so the save is over once
             # this thread has exited (see ArenaStager: reclaiming a leaked buffer)
             self.consumer = threading.current_thread()

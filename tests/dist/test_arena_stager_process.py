@@ -66,3 +66,22 @@ def test_process_executor_saves_each_step_from_the_same_slabs(single_rank_world,
         assert target["step"] == step
         for k, v in exp.items():
             assert torch.equal(target["model"][k], v), (step, k)
+
+
+def test_close_from_a_process_mode_upload_callback_returns(single_rank_world, tmp_path):
+    # DCP's staging callback reads the staged dict on the stager's copy thread: that thread
+    # must not pass for the save's, or close() in the upload callback waits forever
+    import threading
+
+    stager = ArenaStager()
+    closed = threading.Event()
+    resp = dcp.async_save({"w": torch.arange(4096.0)},
+                          storage_writer=dcp.FileSystemWriter(str(tmp_path / "c")),
+                          async_stager=stager,
+                          async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    resp.upload_completion.add_done_callback(lambda _: (stager.close(), closed.set()))
+    resp.upload_completion.result(timeout=120)
+    assert closed.wait(120)
+    target = {"w": torch.zeros(4096)}
+    dcp.load(target, checkpoint_id=str(tmp_path / "c"))
+    assert torch.equal(target["w"], torch.arange(4096.0))
