@@ -40,7 +40,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit 0: intact; 1: problems found (damaged data or record); 2: not a checkpoint."""
+    """Exit 0: intact; 1: damage found (in the data, or a record that is there but edited,
+    malformed, oversized or not a regular file); 2: no checkpoint at all."""
     from tqdm import tqdm
 
     from dcp_plus.readers.inspect import summarize, verify

@@ -46,9 +46,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes, tmp_suffix: str) -> None:
-    """Write ``data`` to ``path`` atomically: tmp + fsync + rename + directory fsync."""
-    directory = os.path.dirname(os.path.abspath(path))
+def _durable_tmp(path: str, data: bytes, tmp_suffix: str) -> str:
     tmp = f"{path}.{tmp_suffix}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -59,8 +57,36 @@ def atomic_write(path: str, data: bytes, tmp_suffix: str) -> None:
         os.unlink(tmp)
         raise
     os.close(fd)
-    os.rename(tmp, path)
-    fsync_dir(directory)
+    return tmp
+
+
+def atomic_write(path: str, data: bytes, tmp_suffix: str) -> None:
+    """Write ``data`` to ``path`` atomically: tmp + fsync + rename + directory fsync."""
+    os.rename(_durable_tmp(path, data, tmp_suffix), path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_create(path: str, data: bytes, tmp_suffix: str) -> bool:
+    """:func:`atomic_write`, but only if ``path`` does not exist (a hard link, which never
+    replaces); False if it does."""
+    tmp = _durable_tmp(path, data, tmp_suffix)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        os.unlink(tmp)
+        return False
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
+            os.unlink(tmp)
+            raise
+        if os.path.lexists(path):  # no hard links here: check, then rename (not atomic)
+            os.unlink(tmp)
+            return False
+        os.rename(tmp, path)
+    else:
+        os.unlink(tmp)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    return True
 
 
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -277,10 +277,10 @@ def _ints_ok(values: Any, ndim: int) -> bool:
             and all(type(v) is int and 0 <= v <= INT64_MAX for v in values))
 
 
-def _fast_tensor(item: Any) -> TensorStorageMetadata | None:
+def _fast_tensor(p: _Parser, fqn: str, item: Any) -> TensorStorageMetadata | None:
     """The common well-formed tensor item, checked with the fewest operations; None for
     anything else, which :func:`_decode_item` then parses field by field (and names the
-    field that is wrong)."""
+    field that is wrong). Chunks that do not tile the tensor are refused here."""
     if type(item) is not dict or item.get("kind") != "tensor":
         return None
     dname, grad, size, chunks = (item.get("dtype"), item.get("requires_grad"), item.get("size"),
@@ -305,22 +305,14 @@ def _fast_tensor(item: Any) -> TensorStorageMetadata | None:
             return None
         parsed.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
     whole = len(parsed) == 1 and not any(chunks[0]["offsets"]) and chunks[0]["sizes"] == size
-    if not whole and not _tiles(torch.Size(size), parsed):
-        return None
+    if not whole:
+        check_tiling(torch.Size(size), parsed, f"items[{fqn!r}].chunks", p.fail)
     return TensorStorageMetadata(TensorProperties(dtype=dtype, requires_grad=grad),
                                  torch.Size(size), parsed)
 
 
-def _tiles(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> bool:
-    try:
-        check_tiling(size, chunks, "", lambda f, m: CheckpointFormatError(m))
-    except CheckpointFormatError:
-        return False
-    return True
-
-
 def _decode_item(p: _Parser, fqn: str, item: Any) -> TensorStorageMetadata | BytesStorageMetadata:
-    fast = _fast_tensor(item)
+    fast = _fast_tensor(p, fqn, item)
     if fast is not None:
         return fast
     where = f"items[{fqn!r}]"

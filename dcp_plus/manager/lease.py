@@ -28,7 +28,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Protocol
 
 from dcp_plus.errors import LeaseHeldError, LeaseLostError
@@ -137,7 +137,8 @@ class Holder:
             obj = json.loads(data)
             if not isinstance(obj, dict) or obj.pop("format", None) != LEASE_FORMAT:
                 return None
-            holder = cls(**obj)
+            # fields a newer version adds are ignored: its holder must stay recognisable
+            holder = cls(**{k: v for k, v in obj.items() if k in _HOLDER_FIELDS})
         except (ValueError, TypeError):
             return None
         ok = (isinstance(holder.generation, int) and isinstance(holder.pid, int)
@@ -152,6 +153,9 @@ class Holder:
     def describe(self) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
         return f"pid {self.pid} on host {self.host} ({self.command!r}), holding it since {since}"
+
+
+_HOLDER_FIELDS = frozenset(f.name for f in fields(Holder))
 
 
 class RootLease:
@@ -196,9 +200,14 @@ class RootLease:
             if top and self.store.read(gen_name(top) + ".released") is None:
                 self._may_take(top, takeover)
             mine = Holder.this_process(top + 1)
-            if self.store.create(gen_name(mine.generation), mine.encode()):
-                self._became(mine)
-                return
+            if not self.store.create(gen_name(mine.generation), mine.encode()):
+                continue
+            if max(self._generations(), default=0) > mine.generation:
+                # that number had been taken, released and pruned meanwhile: a newer
+                # generation holds the root, and the next pass decides against it
+                continue
+            self._became(mine)
+            return
         raise LeaseHeldError(f"{self.store.location}: could not acquire the lease; other "
                              "processes kept acquiring it first")
 
@@ -263,10 +272,13 @@ class RootLease:
     def _became(self, mine: Holder) -> None:
         self.holder = mine
         self._lost = None
-        self._write_heartbeat()
-        old = [n for n in self.store.list() if (g := _generation_of(n)) is not None
-               and g < mine.generation]
-        self.store.delete(old)
+        try:
+            self._write_heartbeat()
+            self.store.delete([n for n in self.store.list()
+                               if (g := _generation_of(n)) is not None and g < mine.generation])
+        except Exception as e:  # the record is ours; the heartbeat thread tries again
+            log.warning("%s: lease taken, but its first heartbeat or clean-up failed: %s",
+                        self.store.location, e)
         self._stop.clear()
         self._thread = threading.Thread(target=self._beat, name="dcpp-lease", daemon=True)
         self._thread.start()

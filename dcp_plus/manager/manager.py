@@ -117,6 +117,8 @@ class CheckpointManager:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if history_size < 1:
             raise ValueError(f"history_size must be >= 1, got {history_size}")
+        if not lease_timeout > 0:
+            raise ValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
         self.backend, self.root = backend_for(root, storage_options)
         self.writer_options = dict(writer_options or {})
         self.reader_options = dict(reader_options or {})
@@ -164,12 +166,14 @@ class CheckpointManager:
         self._iter_update_s: float | None = None
         self._update_t0: float | None = None
         self._closed = False
-        self.history: deque[SaveStats] = deque(maxlen=history_size)
+        self.history_size = history_size
+        self.history: _List[SaveStats] = []
         """The most recent saves' stats, oldest first (at most ``history_size``)."""
         self.cleaned: _List[str] = []
         try:
             if self.is_coordinator and self._lease is not None:
                 # the lease holder alone cleans up, before any save of its own has started
+                self._lease.check()
                 self.backend.makedirs(self.root)
                 self.cleaned = self._clean_uncommitted()
                 self._repair_pointer()
@@ -183,11 +187,11 @@ class CheckpointManager:
         """The root's lease, held by the coordinator; every rank raises if it is refused."""
         lease, error = None, None
         if self.is_coordinator:
-            lease = RootLease(self.backend.lease_store(self.backend.join(self.root, LEASE_DIR)),
-                              timeout_s=timeout_s)
-            try:
+            try:  # whatever fails here, the other ranks must hear of it (not hang)
+                lease = RootLease(self.backend.lease_store(
+                    self.backend.join(self.root, LEASE_DIR)), timeout_s=timeout_s)
                 lease.acquire(takeover=takeover)
-            except (DcpPlusError, OSError) as e:
+            except Exception as e:
                 error = e
         if self._dist:
             said = [None if error is None else str(error)]
@@ -208,7 +212,10 @@ class CheckpointManager:
             return True
         except LeaseLostError as e:
             log.error("%s", e)
-            return False
+        except Exception as e:  # the lease store is unreachable: change nothing
+            log.warning("%s: cannot check the root's lease (%s); leaving the root as it is",
+                        self.root, e)
+        return False
 
     @property
     def took_over(self) -> str | None:
@@ -530,20 +537,24 @@ class CheckpointManager:
     def _failed(self, handle: SaveHandle, failure: BaseException) -> None:
         err = save_error(handle.step, handle.path, failure, "persisting")
         log.error("%s", err)
-        if (self.is_coordinator and not self.backend.is_committed(handle.path)
-                and self._lease_held()):  # a fenced manager deletes nothing
-            try:
+        try:
+            if (self.is_coordinator and not self.backend.is_committed(handle.path)
+                    and self._lease_held()):  # a fenced manager deletes nothing
                 self.backend.remove_tree(handle.path)
-            except FileNotFoundError:
-                pass
-            except OSError as rm:
-                log.warning("could not remove the failed checkpoint %s: %s", handle.path, rm)
-        self._record(handle.stats(False, self.clock()))
-        handle.done.set_exception(err)
+        except FileNotFoundError:
+            pass
+        except Exception as rm:  # storage down as well: the next holder's start cleans up
+            log.warning("could not remove the failed checkpoint %s: %s", handle.path, rm)
+        finally:
+            self._record(handle.stats(False, self.clock()))
+            if not handle.done.done():
+                handle.done.set_exception(err)
 
     def _record(self, stats: SaveStats) -> None:
         with self._lock:
             self.history.append(stats)
+            if len(self.history) > self.history_size:
+                del self.history[0]
         self._completed.append(stats)
 
     def _retain(self) -> None:

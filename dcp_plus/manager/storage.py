@@ -62,7 +62,10 @@ class FileLeaseStore:
         try:
             os.link(tmp, self._path(name))
         except FileExistsError:
-            return False
+            # on NFS a retransmitted LINK whose first reply was lost answers EEXIST: the
+            # link is ours if the temporary file has two names now
+            if os.stat(tmp).st_nlink != 2:
+                return False
         except OSError as e:
             if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
                 raise

@@ -88,8 +88,12 @@ def check_digest(actual: str, ext: Extent, what: str, root: str, identity: str) 
 
 
 def read_coalesced(fd: int, path: str, reads: list[tuple[int, memoryview]]) -> None:
-    """Fill each ``(offset, buffer)``; neighbours within 64 KiB share one preadv call."""
-    reads = sorted(reads, key=lambda r: r[0])
+    """Fill each ``(offset, buffer)``; neighbours within 64 KiB share one preadv call.
+
+    Empty buffers read nothing: their offset may lie past the end of the file (an empty value
+    placed, aligned, after the file's last byte).
+    """
+    reads = sorted((r for r in reads if len(r[1])), key=lambda r: r[0])
     i = 0
     while i < len(reads):
         start = reads[i][0]

@@ -16,7 +16,13 @@ from dcp_plus._worker import WriteJob
 from dcp_plus.errors import CheckpointExistsError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
-from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all, read_regular
+from dcp_plus.format.fileio import (
+    atomic_create,
+    atomic_write,
+    fsync_dir,
+    pwrite_all,
+    read_regular,
+)
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.writers.base import CommittingWriter, Fence, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
@@ -41,7 +47,7 @@ class LocalWriter(CommittingWriter):
         path: checkpoint directory (created if missing).
         overwrite: allow replacing a committed checkpoint; the old one stays loadable until
             the new commit record is in place, then the data files it referenced are removed
-            (no other file: leftovers of a crashed save stay for ``dcp-plus gc``).
+            (no other file: files of another save, running or crashed, are left in place).
         workers: size of the shared writer-process pool.
         threads: parallel files for data outside slabs.
         fsync: fsync data files and directories (turn off only for throwaway checkpoints).
@@ -177,7 +183,12 @@ class LocalWriter(CommittingWriter):
             return None
 
     def _commit(self, record: bytes) -> None:
-        atomic_write(os.path.join(self.path, RECORD_NAME), record, self.save_id)
+        path = os.path.join(self.path, RECORD_NAME)
+        if self.overwrite:
+            atomic_write(path, record, self.save_id)
+        elif not atomic_create(path, record, self.save_id):
+            raise CheckpointExistsError(self._exists_message() + " (it was committed while "
+                                        "this save was running)")
 
     def _put_table(self, name: str, data: bytes) -> None:
         fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

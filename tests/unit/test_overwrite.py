@@ -100,3 +100,16 @@ def test_dcp_plan_caching_overwriting_one_directory_saves_every_time(tmp_path):
                  planner=planner, no_dist=True)
         assert_bit_exact(load(load_target(sd), tmp_path / "ckpt"), sd)
         assert data_files(tmp_path / "ckpt") == referenced_files(tmp_path / "ckpt")
+
+
+def test_a_record_committed_meanwhile_is_never_replaced_without_overwrite(tmp_path):
+    ckpt = tmp_path / "ckpt"
+
+    class Racing(LocalWriter):
+        def write_data(self, plan, planner):  # another job commits while this one writes
+            record_path(ckpt).write_bytes(b"the other job's record")
+            return super().write_data(plan, planner)
+
+    with pytest.raises(CheckpointException, match="CheckpointExistsError"):
+        dcp.save({"w": torch.ones(4)}, storage_writer=Racing(ckpt), no_dist=True)
+    assert record_path(ckpt).read_bytes() == b"the other job's record"

@@ -258,3 +258,76 @@ def test_a_stalled_writer_on_another_host_is_taken_over_and_fenced(tmp_path):
     with CheckpointManager(root, read_only=True) as r:
         assert r.load_latest(target) == 100 and same(target, state_at(100))
     assert verify(str(root / "step_00000001")).ok
+
+
+# ---------------------------------------------------------------------------------------------
+# Races and storage failures around the lease
+
+
+class _Interleaved(FileLeaseStore):
+    """A lease store that runs ``before`` once, just before the first create of ``name``."""
+
+    def __init__(self, directory: str, name: str, before: Any) -> None:
+        super().__init__(directory)
+        self.name, self.before = name, before
+
+    def create(self, name: str, data: bytes) -> bool:
+        if name == self.name and self.before is not None:
+            before, self.before = self.before, None
+            before()
+        return super().create(name, data)
+
+
+def test_a_generation_taken_and_pruned_meanwhile_is_not_acquired(tmp_path):
+    # E decides on generation 2; before it creates it, F takes 2 and releases it, H takes 3
+    # and prunes 2: E's create of 2 then succeeds, and must not make E a holder
+    directory = str(tmp_path / LEASE_DIR)
+    first = RootLease(FileLeaseStore(directory))
+    first.acquire()
+    first.release()
+    holders: list[RootLease] = []
+
+    def others() -> None:
+        f = RootLease(FileLeaseStore(directory))
+        f.acquire()
+        f.release()
+        h = RootLease(FileLeaseStore(directory))
+        h.acquire()
+        holders.append(h)
+
+    e = RootLease(_Interleaved(directory, gen_name(2), others))
+    try:
+        with pytest.raises(LeaseHeldError, match="this very process"):
+            e.acquire()
+        assert not e.held and holders[0].held
+        holders[0].check()
+    finally:
+        for h in holders:
+            h.release()
+
+
+def test_a_lease_store_failing_with_the_save_still_resolves_the_handle(tmp_path):
+    with CheckpointManager(tmp_path / "ckpt", interval=1) as m:
+        m.save(1, state_at(1)).result()
+        assert m._lease is not None
+
+        def down() -> list[str]:
+            raise OSError(5, "Input/output error")
+        m._lease.store.list = down  # type: ignore[method-assign]
+        with pytest.raises(CheckpointSaveError, match="Input/output error"):
+            m.save(2, state_at(2)).result(timeout=60)  # before: never resolved
+        m._lease.store.list = FileLeaseStore.list.__get__(m._lease.store)  # type: ignore
+        m.save(3, state_at(3)).result(timeout=60)
+
+
+def test_lease_records_of_a_newer_version_still_name_their_holder(tmp_path):
+    mine = Holder.this_process(1)
+    data = json.loads(mine.encode())
+    data["new_field"] = {"from": "a later dcp_plus"}
+    assert Holder.decode(json.dumps(data).encode()) == mine
+
+
+def test_bad_lease_settings_are_refused_before_anything_is_taken(tmp_path):
+    with pytest.raises(ValueError, match="lease_timeout"):
+        CheckpointManager(tmp_path / "ckpt", lease_timeout=0)
+    assert not (tmp_path / "ckpt" / LEASE_DIR).exists()

@@ -268,3 +268,29 @@ def test_version_1_records_still_load(ckpt, capsys):
     rec["extents"][0]["checksum"] = extent_checksum(rec, rec["extents"][0], b"")
     with pytest.raises(CheckpointFormatError, match="version-1 extent checksum"):
         decode_record(seal_record(rec), "x")
+
+
+def test_chunk_grids_are_checked_in_near_linear_time_and_irregular_floods_refused():
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata as C
+
+    from dcp_plus.format.record_checks import check_tiling
+
+    def fail(field: str, problem: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{field}: {problem}")
+
+    grid = [C(torch.Size([i, j]), torch.Size([1, 1])) for i in range(300) for j in range(300)]
+    check_tiling(torch.Size([300, 300]), grid, "g", fail)  # 90,000 chunks: a grid, accepted
+    small = [C(torch.Size([0, 0]), torch.Size([1, 2])), C(torch.Size([1, 0]), torch.Size([1, 1])),
+             C(torch.Size([1, 1]), torch.Size([1, 1]))]
+    check_tiling(torch.Size([2, 2]), small, "s", fail)  # irregular but small: swept, accepted
+    k = 300  # bricks: every other row shifted by one column, so no grid
+    bricks = []
+    for i in range(k):
+        if i % 2 == 0:
+            bricks += [C(torch.Size([i, 2 * j]), torch.Size([1, 2])) for j in range(k)]
+        else:
+            bricks += [C(torch.Size([i, 0]), torch.Size([1, 1])),
+                       C(torch.Size([i, 2 * k - 1]), torch.Size([1, 1]))]
+            bricks += [C(torch.Size([i, 2 * j + 1]), torch.Size([1, 2])) for j in range(k - 1)]
+    with pytest.raises(CheckpointFormatError, match="irregular layout"):
+        check_tiling(torch.Size([k, 2 * k]), bricks, "b", fail)

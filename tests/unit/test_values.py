@@ -87,3 +87,14 @@ def test_a_value_needing_pickle_is_refused_unless_writer_and_reader_allow_it(tmp
         load({"obj": None}, tmp_path / "ckpt", DefaultLoadPlanner())  # nor the reader
     out = load({"obj": None}, tmp_path / "ckpt", DefaultLoadPlanner(), allow_pickle=True)
     assert out["obj"] == Opaque(3)
+
+
+def test_empty_values_load_wherever_they_were_placed(tmp_path):
+    # an empty BytesIO gets an aligned offset that may lie past its file's end
+    sd = {"w": torch.ones(3), "blob": io.BytesIO(b"x" * 5000), "empty": io.BytesIO(b""),
+          "also": io.BytesIO(b""), "step": 3}
+    save(sd, tmp_path / "ckpt")
+    out = load({"w": torch.zeros(3), "blob": io.BytesIO(), "empty": io.BytesIO(b"junk"),
+                "also": io.BytesIO(b"junk"), "step": 0}, tmp_path / "ckpt")
+    assert out["blob"].getvalue() == b"x" * 5000 and out["step"] == 3
+    assert out["empty"].getvalue() == b"" and out["also"].getvalue() == b""
