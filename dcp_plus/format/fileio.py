@@ -68,13 +68,17 @@ def atomic_write(path: str, data: bytes, tmp_suffix: str) -> None:
 
 def atomic_create(path: str, data: bytes, tmp_suffix: str) -> bool:
     """:func:`atomic_write`, but only if ``path`` does not exist (a hard link, which never
-    replaces); False if it does."""
+    replaces and is atomic on NFS too); False if it does."""
     tmp = _durable_tmp(path, data, tmp_suffix)
     try:
         os.link(tmp, path)
     except FileExistsError:
+        # on NFS a retransmitted LINK whose first reply was lost answers EEXIST: the link
+        # is ours if the temporary file has two names now
+        ours = os.stat(tmp).st_nlink == 2
         os.unlink(tmp)
-        return False
+        if not ours:
+            return False
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
             os.unlink(tmp)

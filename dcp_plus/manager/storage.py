@@ -8,7 +8,6 @@ and ``file://`` URLs use :class:`LocalBackend`; object stores and other fsspec U
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import uuid
@@ -18,7 +17,7 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcp_plus.errors import DcpPlusError
-from dcp_plus.format.fileio import atomic_write, fsync_dir, pwrite_all, read_regular
+from dcp_plus.format.fileio import atomic_create, atomic_write, fsync_dir, read_regular
 from dcp_plus.format.record import RECORD_NAME
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
 
@@ -52,43 +51,7 @@ class FileLeaseStore:
 
     def create(self, name: str, data: bytes) -> bool:
         os.makedirs(self.location, exist_ok=True)
-        tmp = self._path(f"{name}.{uuid.uuid4().hex[:12]}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            pwrite_all(fd, memoryview(data), 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, self._path(name))
-        except FileExistsError:
-            # on NFS a retransmitted LINK whose first reply was lost answers EEXIST: the
-            # link is ours if the temporary file has two names now
-            if os.stat(tmp).st_nlink != 2:
-                return False
-        except OSError as e:
-            if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP):
-                raise
-            return self._create_without_links(name, data)
-        finally:
-            os.unlink(tmp)
-        fsync_dir(self.location)
-        return True
-
-    def _create_without_links(self, name: str, data: bytes) -> bool:
-        # a file system without hard links: O_EXCL (the record is briefly empty; readers
-        # take an unreadable record for an unknown holder)
-        try:
-            fd = os.open(self._path(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        try:
-            pwrite_all(fd, memoryview(data), 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        fsync_dir(self.location)
-        return True
+        return atomic_create(self._path(name), data, uuid.uuid4().hex[:12])
 
     def write(self, name: str, data: bytes) -> None:
         atomic_write(self._path(name), data, uuid.uuid4().hex[:12])

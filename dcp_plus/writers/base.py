@@ -204,11 +204,10 @@ class CommittingWriter(StorageWriter):
             for r, off in fp.placed:
                 index = r.item.index
                 fqn = index.fqn
-                if not fqn.isascii() or "\x00" in fqn:
-                    problem = check_text(fqn)
-                    if problem is not None:
-                        raise CheckpointFormatError(f"state dict key {fqn!r} {problem}; "
-                                                    "dcp_plus records keys as UTF-8 text")
+                problem = check_text(fqn)
+                if problem is not None:
+                    raise CheckpointFormatError(f"state dict key {fqn!r} {problem}; "
+                                                "dcp_plus records keys as UTF-8 text")
                 td = r.item.tensor_data
                 dname = None
                 if td is not None:
