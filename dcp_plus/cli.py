@@ -44,13 +44,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     malformed, oversized or not a regular file); 2: no checkpoint at all."""
     from tqdm import tqdm
 
-    from dcp_plus.readers.inspect import summarize, verify
+    from dcp_plus.readers.inspect import load_record, stored_bytes, verify
 
     try:
-        total = summarize(args.path)["totals"]["stored_bytes"]
-        with tqdm(total=total, unit="B", unit_scale=True, desc="verifying",
+        record = load_record(args.path)  # decoded once: progress total and verification
+        with tqdm(total=stored_bytes(record), unit="B", unit_scale=True, desc="verifying",
                   disable=args.json or None, file=sys.stderr) as bar:
-            report = verify(args.path, progress=bar.update)
+            report = verify(args.path, progress=bar.update, record=record)
     except (CheckpointFormatError, CorruptCheckpointError) as e:  # the record itself is bad
         problems = [str(e)]
         if args.json:

@@ -28,6 +28,11 @@ def load_record(path: str) -> Metadata:
     return decode_record(data, os.path.join(path, RECORD_NAME))
 
 
+def stored_bytes(md: Metadata) -> int:
+    """The bytes :func:`verify` reads: every extent's stored length."""
+    return sum(e.length for e in _extents(md).values())
+
+
 def _extents(md: Metadata) -> dict[MetadataIndex, Extent]:
     return cast(dict[MetadataIndex, Extent], md.storage_data)
 
@@ -75,9 +80,13 @@ class VerifyReport:
         return not self.problems
 
 
-def verify(path: str, progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Re-read and re-checksum every extent; problems name the file and the tensor."""
-    md = load_record(path)
+def verify(path: str, progress: Callable[[int], None] | None = None,
+           record: Metadata | None = None) -> VerifyReport:
+    """Re-read and re-checksum every extent; problems name the file and the tensor.
+
+    ``record``: the checkpoint's :func:`load_record`, if the caller has it already.
+    """
+    md = load_record(path) if record is None else record
     report = VerifyReport(path)
     by_file: dict[str, list[tuple[MetadataIndex, Extent]]] = {}
     for index, ext in _extents(md).items():
