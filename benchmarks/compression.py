@@ -55,8 +55,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dcp_plus.bench.limits import pwrite_files
-from dcp_plus.bench.machine import ForeignCpu, fs_type, machine
+from dcp_plus.cli.bench.limits import pwrite_files
+from dcp_plus.cli.bench.machine import ForeignCpu, fs_type, machine
 from dcp_plus.format.codecs import ZstdCodec
 
 MB = 1e6

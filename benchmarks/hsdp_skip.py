@@ -44,7 +44,7 @@ def hsdp_state_dict(size_gib: float, mesh: Any) -> dict[str, Any]:
     Only the local halves are allocated."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from dcp_plus.bench.models import (
+    from dcp_plus.cli.bench.models import (
         MOMENT_DTYPE,
         PARAM_DTYPE,
         _param_groups,
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, size_gib: float, saves: int) -> dict[str, Any
 
     from benchmarks.staging import NullWriter
     from dcp_plus import ArenaStager, CachedSavePlanner
-    from dcp_plus.bench.models import iter_tensors
+    from dcp_plus.cli.bench.models import iter_tensors
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

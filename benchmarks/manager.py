@@ -17,7 +17,7 @@ import time
 import warnings
 from typing import Any
 
-from dcp_plus.demo import RunStats, build, state_of, train_step, train_stock
+from dcp_plus.cli.demo import RunStats, build, state_of, train_step, train_stock
 from dcp_plus.manager import CheckpointManager
 from dcp_plus.manager.storage import LocalBackend
 from dcp_plus.schedule import AdaptiveInterval

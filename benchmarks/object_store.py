@@ -5,7 +5,7 @@
     python -m benchmarks.object_store --endpoint http://host:port --key K --secret S
 
 Cases (same total size, ``--size-gib``): ``gpt2``, a GPT-2-like model + AdamW state dict
-(``dcp_plus.bench.models``: bf16 parameters, fp32 moments and steps, ~1,170 tensors, plus
+(``dcp_plus.cli.bench.models``: bf16 parameters, fp32 moments and steps, ~1,170 tensors, plus
 ``param_groups``), and ``big``, ``--big-tensors`` float32 tensors.
 
 Methods, every one saving and loading the same bytes, one process (one rank):
@@ -61,8 +61,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 
-from dcp_plus.bench.machine import ForeignCpu, load1, machine
-from dcp_plus.bench.models import (
+from dcp_plus.cli.bench.machine import ForeignCpu, load1, machine
+from dcp_plus.cli.bench.models import (
     empty_like_state_dict,
     gpt2_like_state_dict,
     iter_tensors,

@@ -67,7 +67,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from dcp_plus.bench.machine import ForeignCpu, load1, machine
+from dcp_plus.cli.bench.machine import ForeignCpu, load1, machine
 from dcp_plus.planners.cached_save import CachedSavePlanner
 from dcp_plus.writers import LocalWriter
 from tests.dist._planner_world import CollectiveBytes, run_world, save_phases

@@ -12,7 +12,7 @@ save  dd            ``dd if=/dev/zero of=F bs=64M conv=fsync`` of the state's by
                     in 2 streams (2 files); O_DIRECT: the same 2 streams bypassing the cache
       dcp_plus      ``dcp.save(sd, storage_writer=LocalWriter(d), no_dist=True)`` (threads=2,
                     and threads=4), in-process threads writing straight from tensor memory
-      dcp_plus slab the same state copied once into a registered ``dcp_plus.shm.Slab``
+      dcp_plus slab the same state copied once into a registered ``dcp_plus.memory.slabs.Slab``
                     (4 KiB-aligned views): the worker-process path (workers=2); the copy
                     into the slab is timed separately (``stage copy``)
       prototype     not dcp_plus: LocalWriter's thread path redone with O_DIRECT through
@@ -64,15 +64,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tqdm import tqdm
 
-from dcp_plus.bench.limits import dd_read, pwrite_files
-from dcp_plus.bench.machine import (
+from dcp_plus.cli.bench.limits import dd_read, pwrite_files
+from dcp_plus.cli.bench.machine import (
     ForeignCpu,
     drop_caches,
     fs_type,
     load1,
     machine,
 )
-from dcp_plus.bench.models import (
+from dcp_plus.cli.bench.models import (
     empty_like_state_dict,
     gpt2_like_state_dict,
     iter_tensors,
@@ -82,12 +82,12 @@ from dcp_plus.bench.models import (
     states_equal,
 )
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.format.fileio import fsync_dir
 from dcp_plus.format.layout import align_up
 from dcp_plus.format.values import byte_view
+from dcp_plus.memory.slabs import Slab, registry
 from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers.local import LocalReader
-from dcp_plus.shm import Slab, registry
+from dcp_plus.storage.fileio import fsync_dir
 from dcp_plus.writers.local import LocalWriter
 from dcp_plus.writers.pool import shutdown_pool
 

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from dcp_plus import LocalWriter
-from dcp_plus.bench.limits import MemcpyLimit
+from dcp_plus.cli.bench.limits import MemcpyLimit
 from dcp_plus.format.layout import align_up
 from dcp_plus.stagers import ArenaStager
 

@@ -6,8 +6,9 @@ must start without importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dcp_plus._lazy import lazy_exports
 
 _EXPORTS = {
     "CachedSavePlanner": "dcp_plus.planners",
@@ -56,11 +57,4 @@ if TYPE_CHECKING:
     from dcp_plus.writers import LocalWriter, NFSWriter, ObjectStoreWriter
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dcp_plus' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER_MODULE = b"dcp_plus._worker"
+WORKER_MODULE = b"dcp_plus.writers.worker"
 
 # Every dtype the issue names, plus a few more the record must name correctly.
 DTYPES = [
@@ -287,7 +287,7 @@ def slab_state_dict(slab: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]
 @contextlib.contextmanager
 def registered_slab(size: int) -> Iterator[Any]:
     """A registered slab, unregistered and unlinked afterwards even if views survive."""
-    from dcp_plus.shm import Slab, registry
+    from dcp_plus.memory.slabs import Slab, registry
 
     slab = Slab(size)
     registry.register(slab)
@@ -322,7 +322,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def worker_pids(parent: int | None = None) -> list[int]:
-    """Live ``dcp_plus._worker`` processes whose parent is ``parent`` (default: this process)."""
+    """Live ``dcp_plus.writers.worker`` processes whose parent is ``parent`` (default: this process)."""
     parent = os.getpid() if parent is None else parent
     found = []
     for entry in os.listdir("/proc"):

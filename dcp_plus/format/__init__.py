@@ -1,13 +1,14 @@
 """The dcp_plus on-disk format, version 1: commit record, extents, checksums, codecs.
 
 Submodules are imported on first use so that writer worker processes (which import only
-``fileio`` and ``checksum``) start without importing torch.
+``storage.fileio`` and ``format.checksum``) start without importing torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from dcp_plus._lazy import lazy_exports
 
 _EXPORTS = {
     "ALIGNMENT": "layout",
@@ -41,7 +42,4 @@ if TYPE_CHECKING:
     )
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'dcp_plus.format' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"dcp_plus.format.{_EXPORTS[name]}"), name)
+__getattr__, __dir__ = lazy_exports(__name__, {k: f".{v}" for k, v in _EXPORTS.items()})

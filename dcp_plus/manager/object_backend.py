@@ -10,9 +10,9 @@ from typing import Any
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcp_plus.errors import DcpPlusError
-from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.format.record import RECORD_NAME, decode_record
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
+from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
 
 
 class ObjectStoreBackend:

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from dcp_plus.errors import DcpPlusError
-from dcp_plus.format.fileio import atomic_create, atomic_write, fsync_dir, read_regular
 from dcp_plus.format.record import RECORD_NAME
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
+from dcp_plus.storage.fileio import atomic_create, atomic_write, fsync_dir, read_regular
 
 
 class Backend(Protocol):

@@ -12,7 +12,7 @@ stager's tensor keys are exactly ``tensor_fqns``, else nothing. Recording starts
 query, so planners no stager asks about do no extra work.
 
 :func:`check_and_record` also runs the safety net: the stager leaves the skipped views stale
-(:mod:`dcp_plus.stale`), and if the final plan of a save must write one of them (the plan
+(:mod:`dcp_plus.memory.skipped`), and if the final plan of a save must write one of them (the plan
 changed after staging, e.g. another rank's structure changed), the save fails with
 :class:`~dcp_plus.errors.StaleStagingError` naming the tensors, and the record is dropped so the
 stager copies everything in its next snapshot.
@@ -35,7 +35,7 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
 from dcp_plus.errors import StaleStagingError
-from dcp_plus.stale import stale_views
+from dcp_plus.memory.skipped import stale_views
 
 _EMPTY: frozenset[str] = frozenset()
 

@@ -12,8 +12,8 @@ from dcp_plus.format.checksum import (
     bind_checksum,
     checksum_bytes,
 )
-from dcp_plus.format.fileio import open_regular, preadinto_all
 from dcp_plus.format.record import Extent
+from dcp_plus.storage.fileio import open_regular, preadinto_all
 
 COALESCE_GAP = 64 << 10
 MAX_IOV = 512

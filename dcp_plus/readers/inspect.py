@@ -11,10 +11,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
 from dcp_plus.format.checksum import format_checksum, new_hasher
-from dcp_plus.format.fileio import open_regular, preadinto_all
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
 from dcp_plus.readers.extents import check_digest
 from dcp_plus.readers.local import describe, read_record
+from dcp_plus.storage.fileio import open_regular, preadinto_all
 
 
 def load_record(path: str) -> Metadata:

@@ -11,10 +11,10 @@ from dcp_plus.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from dcp_plus.format.fileio import open_regular, read_regular
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.readers.extents import check_bounds, read_coalesced
+from dcp_plus.storage.fileio import open_regular, read_regular
 
 __all__ = ["LocalReader", "describe", "read_record"]
 

@@ -14,11 +14,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from dcp_plus.errors import (
     CheckpointFormatError,
 )
-from dcp_plus.format.nfsio import join_target, open_nfs_store
-from dcp_plus.format.objectio import ObjectStore, StoreConfig
 from dcp_plus.format.record import RECORD_NAME, decode_record
-from dcp_plus.format.retry import RetryPolicy
 from dcp_plus.readers.object_store import ObjectStoreReader
+from dcp_plus.storage.nfsio import join_target, open_nfs_store
+from dcp_plus.storage.objectio import ObjectStore, StoreConfig
+from dcp_plus.storage.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 

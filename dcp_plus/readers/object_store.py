@@ -15,11 +15,11 @@ from dcp_plus.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from dcp_plus.format.objectio import ExtentStore, ObjectStore, StoreConfig, open_store
 from dcp_plus.format.record import RECORD_NAME
-from dcp_plus.format.retry import RetryPolicy
 from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.readers.extents import check_extent_bounds
+from dcp_plus.storage.objectio import ExtentStore, ObjectStore, StoreConfig, open_store
+from dcp_plus.storage.retry import RetryPolicy
 
 
 class ObjectStoreReader(ExtentReader):

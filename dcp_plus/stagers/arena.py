@@ -3,8 +3,8 @@
 One arena exists per structure fingerprint (fqn, dtype, shape, stride, device of every tensor).
 Its layout puts every tensor at a 4 KiB-aligned offset in DCP's flattened state-dict order, so
 slabs can be written to a data file extent by extent. An arena holds one or two *buffers* (one
-snapshot each); every buffer is a few :class:`~dcp_plus.shm.Slab` objects, registered in the
-process-wide :data:`~dcp_plus.shm.registry` so writers can hand ``(slab, offset, length)``
+snapshot each); every buffer is a few :class:`~dcp_plus.memory.slabs.Slab` objects, registered in the
+process-wide :data:`~dcp_plus.memory.slabs.registry` so writers can hand ``(slab, offset, length)``
 descriptors to worker processes instead of copying.
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dcp_plus.format.layout import ALIGNMENT, align_up
-from dcp_plus.shm import Slab, registry
+from dcp_plus.memory.slabs import Slab, registry
 from dcp_plus.stagers.pool import SlabPool
 
 logger = logging.getLogger(__name__)

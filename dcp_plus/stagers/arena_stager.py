@@ -26,7 +26,8 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from dcp_plus.errors import CapacityError, ClosedError, DcpPlusError, StagingError
-from dcp_plus.shm import remove_orphans
+from dcp_plus.memory.skipped import stale_views
+from dcp_plus.memory.slabs import remove_orphans
 from dcp_plus.stagers.arena import Arena, Buffer, Fingerprint, plan_layout, slab_names
 from dcp_plus.stagers.copy_engine import CopyEngine
 from dcp_plus.stagers.guard import GuardHandle, checkpoint_bytes, install_guard
@@ -34,7 +35,6 @@ from dcp_plus.stagers.pool import SlabPool
 from dcp_plus.stagers.stage_future import StageFuture
 from dcp_plus.stagers.staged import StagedStateDict
 from dcp_plus.stagers.tree import Captured, capture, fill, fqns_of, local_tensor, rewrap
-from dcp_plus.stale import stale_views
 
 logger = logging.getLogger(__name__)
 

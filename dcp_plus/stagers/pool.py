@@ -12,7 +12,7 @@ import ctypes
 import logging
 import threading
 
-from dcp_plus.shm import Slab
+from dcp_plus.memory.slabs import Slab
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@
   slab-backed tensor into a fresh torch shared-memory segment (and dup one fd per tensor).
   ``__reduce__`` instead sends ``(slab name, offset, dtype, shape)`` for every tensor that lives
   in a registered slab; the receiving process maps each slab once by name, registers it in its
-  own :data:`~dcp_plus.shm.registry` (so dcp_plus writers running there hand out descriptors
+  own :data:`~dcp_plus.memory.slabs.registry` (so dcp_plus writers running there hand out descriptors
   too) and builds views. Mappings are cached per process and dropped once the creator has
   unlinked the slab.
 """
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from dcp_plus.errors import StagingError
-from dcp_plus.shm import Slab, registry
-from dcp_plus.stale import stale_views
+from dcp_plus.memory.skipped import stale_views
+from dcp_plus.memory.slabs import Slab, registry
 
 
 class StagedStateDict(dict):

@@ -12,7 +12,7 @@ from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.extent import BYTESIO
 from dcp_plus.format.record_checks import STORED_DTYPES
 from dcp_plus.format.values import byte_view, check_loads_safely
-from dcp_plus.shm import SlabRef, registry
+from dcp_plus.memory.slabs import SlabRef, registry
 
 _STORED = frozenset(STORED_DTYPES.values())
 

@@ -12,18 +12,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dcp_plus._worker import WriteJob
 from dcp_plus.errors import CheckpointExistsError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
-from dcp_plus.format.fileio import (
+from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
+from dcp_plus.storage.fileio import (
     atomic_create,
     atomic_write,
     fsync_dir,
     pwrite_all,
     read_regular,
 )
-from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.writers.base import CommittingWriter, Fence, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
@@ -34,6 +33,7 @@ from dcp_plus.writers.pool import (
     shared_pool,
     shutdown_pool,
 )
+from dcp_plus.writers.worker import WriteJob
 
 
 class LocalWriter(CommittingWriter):

@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from dcp_plus.format.codecs import Codec
-from dcp_plus.format.nfsio import open_nfs_store
-from dcp_plus.format.objectio import ObjectStore
+from dcp_plus.storage.nfsio import open_nfs_store
+from dcp_plus.storage.objectio import ObjectStore
 from dcp_plus.writers.base import Fence
 from dcp_plus.writers.object_store import ObjectStoreWriter
 

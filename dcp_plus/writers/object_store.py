@@ -12,18 +12,18 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from dcp_plus._worker import UploadJob
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
-from dcp_plus.format.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.format.record import RECORD_NAME
-from dcp_plus.format.retry import RetryPolicy
+from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
+from dcp_plus.storage.retry import RetryPolicy
 from dcp_plus.writers.base import CommittingWriter, Fence, is_url, new_save_id
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
 from dcp_plus.writers.pool import DEFAULT_NICE, check_pool_settings, shared_pool
+from dcp_plus.writers.worker import UploadJob
 
 
 class ObjectStoreWriter(CommittingWriter):

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
-from dcp_plus._worker import Job
 from dcp_plus.errors import ClosedError, WorkerError
+from dcp_plus.writers.worker import Job
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class _Worker:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dcp_plus._worker", str(theirs.fileno())],
+            [sys.executable, "-m", "dcp_plus.writers.worker", str(theirs.fileno())],
             pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL,
             start_new_session=False,
         )

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_plus import CheckpointExistsError, NFSReader, NFSWriter, SafeLoadPlanner
-from dcp_plus.format.nfsio import NfsStore
+from dcp_plus.storage.nfsio import NfsStore
 from dcp_plus.readers import latest_committed, list_committed
 from tests.conftest import assert_bit_exact, build_state_dict, flip_byte, load_target
 from tests.dist._ganesha import GaneshaServer, ganesha_binary

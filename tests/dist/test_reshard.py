@@ -63,7 +63,7 @@ def save_sharded(rank: int, world: int, path: str) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Shard
 
     from dcp_plus import LocalWriter
-    from dcp_plus.shm import Slab, registry
+    from dcp_plus.memory.slabs import Slab, registry
     from dcp_plus.writers import shutdown_pool
     from tests.conftest import worker_pids
 

@@ -30,21 +30,21 @@ BALLAST = 3 << 20  # bytes: makes a persist long enough to be interrupted half-w
 
 
 def build(seed: int = 0) -> tuple[Any, Any, torch.Tensor]:
-    from dcp_plus.demo import build as build_model
+    from dcp_plus.cli.demo import build as build_model
 
     model, opt = build_model(seed, **DIMS)
     return model, opt, torch.zeros(BALLAST // 4, dtype=torch.float32)
 
 
 def step_once(model: Any, opt: Any, ballast: torch.Tensor, step: int) -> None:
-    from dcp_plus.demo import train_step
+    from dcp_plus.cli.demo import train_step
 
     train_step(model, opt, step, vocab=DIMS["vocab"], batch=4, seq=16)
     ballast.mul_(0.5).add_(float(step))  # deterministic, touches every byte
 
 
 def state_of(model: Any, opt: Any, ballast: torch.Tensor, step: int) -> dict[str, Any]:
-    from dcp_plus.demo import state_of as model_state
+    from dcp_plus.cli.demo import state_of as model_state
 
     return {**model_state(model, opt, step), "ballast": ballast}
 

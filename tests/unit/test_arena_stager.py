@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from dcp_plus import LocalReader, LocalWriter
 from dcp_plus.errors import CapacityError, ClosedError, StagingError
 from dcp_plus.format.layout import ALIGNMENT
-from dcp_plus.shm import SHM_DIR, registry
+from dcp_plus.memory.slabs import SHM_DIR, registry
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.stagers.staged import StagedStateDict, attached_slab_names
 

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from dcp_plus.bench.cases import DCP_DEFAULT, DCP_TUNED, PLUS
-from dcp_plus.bench.config import parse_size, parse_storage_options
-from dcp_plus.bench.plot import have_matplotlib
-from dcp_plus.bench.report import LIMITS
-from dcp_plus.bench.runner import merge_ranks
-from dcp_plus.cli import main
+from dcp_plus.cli.bench.cases import DCP_DEFAULT, DCP_TUNED, PLUS
+from dcp_plus.cli.bench.config import parse_size, parse_storage_options
+from dcp_plus.cli.bench.plot import have_matplotlib
+from dcp_plus.cli.bench.report import LIMITS
+from dcp_plus.cli.bench.runner import merge_ranks
+from dcp_plus.cli.main import main
 
 
 def _finite(v: object) -> bool:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from dcp_plus.capacity import (
+from dcp_plus.cli.plan import (
     CapacityInputError,
     CapacityInputs,
     checkfreq_interval_steps,
@@ -16,7 +16,7 @@ from dcp_plus.capacity import (
     render_text,
     young_daly_interval_s,
 )
-from dcp_plus.capacity.units import human_bytes, human_duration
+from dcp_plus.cli.plan.units import human_bytes, human_duration
 
 # Llama 3 405B: 4.05 TB of model + optimizer state (10 B/param), split over a 128-rank
 # model-parallel group (TP8 x PP16), 16,384 GPUs, 8 per node.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dcp_plus.capacity.units import (
+from dcp_plus.cli.plan.units import (
     human_bytes,
     human_count,
     human_duration,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dcp_plus.cli import main
+from dcp_plus.cli.main import main
 from tests.conftest import build_state_dict, flip_byte, read_record_json, save
 
 

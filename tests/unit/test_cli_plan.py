@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dcp_plus.cli import main
+from dcp_plus.cli.main import main
 from tests.conftest import ROOT, child_env
 
 LLAMA = ["plan", "--params", "405B", "--bytes-per-param", "10", "--ranks", "16384",
@@ -64,7 +64,7 @@ def test_plan_refuses_inconsistent_inputs_naming_the_field(capsys):
 
 
 def test_plan_runs_without_importing_torch():
-    code = ("import sys; from dcp_plus.cli import main; rc = main(sys.argv[1:]); "
+    code = ("import sys; from dcp_plus.cli.main import main; rc = main(sys.argv[1:]); "
             "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, *LLAMA], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=60)

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_plus import ArenaStager, CachedSavePlanner
 from dcp_plus.errors import StagingError, StaleStagingError
+from dcp_plus.memory.skipped import stale_views
 from dcp_plus.planners.write_set import tensor_fqns
 from dcp_plus.stagers.tree import capture, fqns_of
-from dcp_plus.stale import stale_views
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),

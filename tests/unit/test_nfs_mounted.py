@@ -27,16 +27,16 @@ from dcp_plus import (
     SafeLoadPlanner,
     StorageError,
 )
-from dcp_plus.format.nfsio import (
+from dcp_plus.readers import latest_committed, list_committed
+from dcp_plus.storage.nfsio import (
     FileStore,
     is_nfs_retryable,
     join_target,
     retry_io,
     split_nfs_url,
 )
-from dcp_plus.format.objectio import StoreConfig
-from dcp_plus.format.retry import RetryPolicy
-from dcp_plus.readers import latest_committed, list_committed
+from dcp_plus.storage.objectio import StoreConfig
+from dcp_plus.storage.retry import RetryPolicy
 from tests.conftest import assert_bit_exact, build_state_dict, flip_byte, load_target
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -22,7 +22,7 @@ from dcp_plus import (
     StorageError,
 )
 from dcp_plus.format.codecs import ZstdCodec, get_codec
-from dcp_plus.format.objectio import (
+from dcp_plus.storage.objectio import (
     ExtentFill,
     StoreConfig,
     assemble,
@@ -30,7 +30,7 @@ from dcp_plus.format.objectio import (
     part_bounds,
     plan_requests,
 )
-from dcp_plus.format.retry import RetryPolicy, is_retryable, retry_sync
+from dcp_plus.storage.retry import RetryPolicy, is_retryable, retry_sync
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 KiB, MiB = 1 << 10, 1 << 20

@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dcp_plus.cli import main as cli
+from dcp_plus.cli.main import main as cli
 from tests.conftest import read_record_json, record_path, seal_record
 from tests.unit._untrusted import load_outcome, no_traceback, save_rich
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_plus.cli import main as cli
+from dcp_plus.cli.main import main as cli
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.record import decode_record, seal

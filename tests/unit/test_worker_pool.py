@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dcp_plus._worker import WriteJob, coalesce
 from dcp_plus.errors import ClosedError, WorkerError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.writers import shutdown_pool
 from dcp_plus.writers.pool import WorkerPool
+from dcp_plus.writers.worker import WriteJob, coalesce
 from tests.conftest import (
     assert_bit_exact,
     clone_state,

@@ -1,6 +1,6 @@
 """``--ranks N``: the measurement in a spawned gloo world of N processes on 127.0.0.1.
 
-Run as ``python -m dcp_plus.bench.world SPEC RANK`` by :func:`measure_in_world` (the
+Run as ``python -m dcp_plus.cli.bench.world SPEC RANK`` by :func:`measure_in_world` (the
 ``__main__`` guard also protects the PROCESS executor, which spawns). Rank 0 shows the
 progress bar and writes the merged result; the other ranks log to files in the spec's folder.
 """
@@ -17,18 +17,18 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dcp_plus.bench.config import BenchConfig
+from dcp_plus.cli.bench.config import BenchConfig
 from dcp_plus.errors import DcpPlusError
 
 
 def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
-    """Spawn ``cfg.ranks`` processes, run :func:`~dcp_plus.bench.runner.measure` in each,
+    """Spawn ``cfg.ranks`` processes, run :func:`~dcp_plus.cli.bench.runner.measure` in each,
     return the merged result.
 
     Raises:
         DcpPlusError: a rank failed or the world outlived ``timeout`` (with every log tail).
     """
-    from dcp_plus.bench.runner import _free_port
+    from dcp_plus.cli.bench.runner import _free_port
 
     with tempfile.TemporaryDirectory(prefix="dcpp-bench-world-") as tmp:
         spec = Path(tmp, "spec.json")
@@ -44,7 +44,7 @@ def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
             logs.append(log)
             with open(log, "wb") as f:
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "dcp_plus.bench.world", str(spec), str(rank)],
+                    [sys.executable, "-m", "dcp_plus.cli.bench.world", str(spec), str(rank)],
                     env=env, stdin=subprocess.DEVNULL, stdout=f,
                     stderr=None if rank == 0 else subprocess.STDOUT))
         deadline = time.monotonic() + timeout
@@ -70,7 +70,7 @@ def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
 def _main(spec_path: str, rank_arg: str) -> None:
     import torch.distributed as dist
 
-    from dcp_plus.bench.runner import measure, merge_ranks
+    from dcp_plus.cli.bench.runner import measure, merge_ranks
 
     spec = json.loads(Path(spec_path).read_text())
     rank, world = int(rank_arg), int(spec["world"])

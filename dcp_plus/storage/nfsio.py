@@ -1,6 +1,6 @@
 """Shared-file-system I/O for checkpoints: a mounted directory, or ``nfs://`` via ``nfs-rs``.
 
-Both stores implement :class:`~dcp_plus.format.objectio.ObjectStore`, so the object-store
+Both stores implement :class:`~dcp_plus.storage.objectio.ObjectStore`, so the object-store
 writer and reader drive them unchanged. What makes them safe on NFS:
 
 - No O_DIRECT, no mmap, no locks: positional writes and reads only.
@@ -31,15 +31,15 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from dcp_plus.errors import CheckpointFormatError, StorageError
-from dcp_plus.format.fileio import (
+from dcp_plus.format.layout import MAX_RECORD_BYTES
+from dcp_plus.storage.fileio import (
     fsync_dir,
     open_regular,
     preadinto_all,
     pwrite_all,
     read_regular,
 )
-from dcp_plus.format.layout import MAX_RECORD_BYTES
-from dcp_plus.format.objectio import Segments, StoreConfig
+from dcp_plus.storage.objectio import Segments, StoreConfig
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

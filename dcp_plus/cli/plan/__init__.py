@@ -1,6 +1,6 @@
 """Capacity and checkpoint-policy planning (``dcp-plus plan``): pure arithmetic, no torch."""
 
-from dcp_plus.capacity.model import (
+from dcp_plus.cli.plan.model import (
     CapacityInputError,
     CapacityInputs,
     CapacityPlan,
@@ -9,8 +9,8 @@ from dcp_plus.capacity.model import (
     plan_capacity,
     young_daly_interval_s,
 )
-from dcp_plus.capacity.report import render_text
-from dcp_plus.capacity.units import parse_count, parse_duration, parse_fraction
+from dcp_plus.cli.plan.report import render_text
+from dcp_plus.cli.plan.units import parse_count, parse_duration, parse_fraction
 
 __all__ = [
     "CapacityInputError",

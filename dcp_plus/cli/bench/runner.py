@@ -15,10 +15,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dcp_plus.bench.cases import Case, build_cases, torch_checkpointing_status
-from dcp_plus.bench.config import BenchConfig
-from dcp_plus.bench.limits import MemcpyLimit, dd_read, pwrite_files, url_read, url_write
-from dcp_plus.bench.machine import (
+from dcp_plus.cli.bench.cases import Case, build_cases, torch_checkpointing_status
+from dcp_plus.cli.bench.config import BenchConfig
+from dcp_plus.cli.bench.limits import MemcpyLimit, dd_read, pwrite_files, url_read, url_write
+from dcp_plus.cli.bench.machine import (
     ForeignCpu,
     PeakMemory,
     drop_caches,
@@ -27,7 +27,7 @@ from dcp_plus.bench.machine import (
     load1,
     machine,
 )
-from dcp_plus.bench.models import (
+from dcp_plus.cli.bench.models import (
     empty_like_state_dict,
     gpt2_like_state_dict,
     iter_tensors,
@@ -246,12 +246,12 @@ def measure_in_process(cfg: BenchConfig) -> dict[str, Any]:
 
 def run(cfg: BenchConfig) -> dict[str, Any]:
     """The whole run: the measurement (in this process or a spawned world), the timeline,
-    the machine and the derived table rows and ratios (see :mod:`dcp_plus.bench.report`)."""
+    the machine and the derived table rows and ratios (see :mod:`dcp_plus.cli.bench.report`)."""
     from tqdm import tqdm
 
-    from dcp_plus.bench import report
-    from dcp_plus.bench.timeline import run_timeline
-    from dcp_plus.bench.world import measure_in_world
+    from dcp_plus.cli.bench import report
+    from dcp_plus.cli.bench.timeline import run_timeline
+    from dcp_plus.cli.bench.world import measure_in_world
 
     started = time.perf_counter()
     info = machine()

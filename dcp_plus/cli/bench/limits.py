@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dcp_plus.shm import Slab
+from dcp_plus.memory.slabs import Slab
 
 CHUNK = 64 << 20
 

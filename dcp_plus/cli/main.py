@@ -72,14 +72,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from dcp_plus.demo import run
+    from dcp_plus.cli.demo import run
 
     return 0 if run(args.path, steps=args.steps, seed=args.seed) else 1
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from dcp_plus.capacity import plan_capacity, render_text
-    from dcp_plus.capacity.args import inputs_from_args
+    from dcp_plus.cli.plan import plan_capacity, render_text
+    from dcp_plus.cli.plan.args import inputs_from_args
 
     plan = plan_capacity(inputs_from_args(args))
     print(json.dumps(plan.to_dict(), indent=2) if args.json else render_text(plan))
@@ -108,13 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
 
-    from dcp_plus.capacity.args import add_plan_arguments
+    from dcp_plus.cli.plan.args import add_plan_arguments
 
     pl = sub.add_parser("plan", help="checkpoint cost, intervals, memory and goodput for a job")
     add_plan_arguments(pl)
     pl.set_defaults(func=cmd_plan)
 
-    from dcp_plus.bench.cli import add_bench_arguments, cmd_bench
+    from dcp_plus.cli.bench.cli import add_bench_arguments, cmd_bench
 
     b = sub.add_parser("bench", help="limits, stock DCP and dcp_plus side by side: a table, "
                                      "JSON and a PNG")

@@ -1,5 +1,5 @@
 """Command-line arguments of ``dcp-plus plan`` and their conversion to
-:class:`~dcp_plus.capacity.model.CapacityInputs`."""
+:class:`~dcp_plus.cli.plan.model.CapacityInputs`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
-from dcp_plus.capacity.model import CapacityInputError, CapacityInputs
-from dcp_plus.capacity.units import parse_count, parse_duration, parse_fraction
+from dcp_plus.cli.plan.model import CapacityInputError, CapacityInputs
+from dcp_plus.cli.plan.units import parse_count, parse_duration, parse_fraction
 
 
 def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -1,9 +1,9 @@
-"""Plain-text rendering of a :class:`~dcp_plus.capacity.model.CapacityPlan`."""
+"""Plain-text rendering of a :class:`~dcp_plus.cli.plan.model.CapacityPlan`."""
 
 from __future__ import annotations
 
-from dcp_plus.capacity.model import CapacityPlan
-from dcp_plus.capacity.units import human_bytes, human_count, human_duration
+from dcp_plus.cli.plan.model import CapacityPlan
+from dcp_plus.cli.plan.units import human_bytes, human_count, human_duration
 
 
 def render_text(plan: CapacityPlan) -> str:

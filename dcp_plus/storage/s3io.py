@@ -2,7 +2,7 @@
 
 Requests go to the aiobotocore client that s3fs builds from ``storage_options`` (endpoint,
 credentials, botocore ``config_kwargs``), bypassing s3fs's own retry layer so that the retry
-bound is :class:`~dcp_plus.format.retry.RetryPolicy`'s (botocore's retry configuration still
+bound is :class:`~dcp_plus.storage.retry.RetryPolicy`'s (botocore's retry configuration still
 applies beneath it). ``s3fs``'s ``requester_pays`` and ``s3_additional_kwargs`` (e.g. SSE)
 are honoured on the calls that create objects.
 """
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-from dcp_plus.format.objectio import (
+from dcp_plus.storage.objectio import (
     MIN_PART_SIZE,
     ExtentFill,
     RangeRequest,
@@ -29,7 +29,7 @@ from dcp_plus.format.objectio import (
     part_bounds,
     plan_requests,
 )
-from dcp_plus.format.retry import error_status, retry_async
+from dcp_plus.storage.retry import error_status, retry_async
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -270,7 +270,7 @@ def run(root: str = "./checkpoints", steps: int = 150, seed: int | None = None,
     log(f"1. training {steps} steps of TinyLM (CPU) with CheckpointManager in {root}; the "
         f"trainer will SIGKILL itself during the first persist at or after step {kill_at}")
     child = subprocess.run(
-        [sys.executable, "-m", "dcp_plus.demo", "--train", root, str(steps), str(kill_at)],
+        [sys.executable, "-m", "dcp_plus.cli.demo", "--train", root, str(steps), str(kill_at)],
         stdin=subprocess.DEVNULL, check=False)
     if child.returncode == -signal.SIGKILL:
         log(f"   trainer pid killed by SIGKILL (exit {child.returncode})")

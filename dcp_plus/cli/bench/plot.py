@@ -103,7 +103,7 @@ def _bars(ax: Any, names: list[str], series: list[list[float | None]],
     for i, (vals, label) in enumerate(zip(series, labels, strict=True)):
         xs = [j + (i - (n - 1) / 2) * width for j in range(len(names))]
         ax.bar(xs, [v if v is not None else float("nan") for v in vals], width, label=label)
-    from dcp_plus.bench.cases import SHORT
+    from dcp_plus.cli.bench.cases import SHORT
 
     ax.set_xticks(range(len(names)), [SHORT.get(n, n) for n in names], fontsize=8)
     ax.legend(fontsize=8)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from dcp_plus.bench.cases import DCP_DEFAULT, DCP_TUNED, PLUS
-from dcp_plus.bench.config import BenchConfig
+from dcp_plus.cli.bench.cases import DCP_DEFAULT, DCP_TUNED, PLUS
+from dcp_plus.cli.bench.config import BenchConfig
 
 GB = 1e9
 LIMITS = "limits: memcpy shm / pwrite+fsync / cold read"

@@ -1,6 +1,6 @@
 """Object I/O for any fsspec URL: whole-object uploads, coalesced ranged reads, bounded retries.
 
-:func:`open_store` picks :class:`~dcp_plus.format.s3io.S3Store` (parallel multipart uploads and
+:func:`open_store` picks :class:`~dcp_plus.storage.s3io.S3Store` (parallel multipart uploads and
 ranged GETs on s3fs's event loop) for ``s3://`` and :class:`FsspecStore` (threads over the
 generic fsspec API) for everything else (``memory://``, ``file://``, ``gs://``...). Endpoints
 and credentials only ever come from fsspec ``storage_options``.
@@ -21,7 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.layout import MAX_RECORD_BYTES
-from dcp_plus.format.retry import RetryPolicy, retry_sync
+from dcp_plus.storage.retry import RetryPolicy, retry_sync
 
 Segments = Sequence[tuple[int, memoryview]]
 MIN_PART_SIZE = 5 << 20  # S3's smallest part (but the last)
@@ -293,7 +293,7 @@ def open_store(url: str, storage_options: dict[str, Any] | None,
     fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     if {"s3", "s3a"} & set(protocols) and hasattr(fs, "set_session"):
-        from dcp_plus.format.s3io import S3Store
+        from dcp_plus.storage.s3io import S3Store
 
         return S3Store(fs, root, url, config)
     return FsspecStore(fs, root, url, config)

@@ -1,7 +1,7 @@
 """Writer worker process: maps stager slabs, checksums extents, writes (O_DIRECT where it can)
 and fsyncs files, or uploads them as one object (S3 multipart).
 
-Started as ``python -m dcp_plus._worker FD``. It imports neither torch nor the user's
+Started as ``python -m dcp_plus.writers.worker FD``. It imports neither torch nor the user's
 ``__main__`` (unlike multiprocessing's spawn), so it starts in tens of milliseconds and needs
 no ``if __name__ == "__main__"`` guard in training scripts. It exits when its parent dies:
 the socket reads EOF while idle, ``getppid()`` is checked between write chunks, and a
@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.format.fileio import pwrite_all
+from dcp_plus.storage.fileio import pwrite_all
 
 SHM_DIR = "/dev/shm"
 # Only alignment padding (< 4 KiB, zeros in a stager slab) is written between extents: a
@@ -53,7 +53,7 @@ class UploadJob:
 
     Each range is ``(slab name, slab offset, object offset, length)`` and is one extent: its
     checksum is returned in order. The object is ``total`` bytes, zeros between ranges.
-    ``storage_options`` and ``config`` (a :class:`~dcp_plus.format.objectio.StoreConfig`)
+    ``storage_options`` and ``config`` (a :class:`~dcp_plus.storage.objectio.StoreConfig`)
     are the writer's; fsspec's instance cache keeps one client per options in this worker.
     """
 
@@ -137,7 +137,7 @@ def coalesce(ranges: list[tuple[str, int, int, int]]) -> list[tuple[str, int, in
 
 
 def run_upload(job: UploadJob, maps: _Mappings) -> list[str]:
-    from dcp_plus.format.objectio import open_store  # fsspec/s3fs: only in uploading workers
+    from dcp_plus.storage.objectio import open_store  # fsspec/s3fs: only in uploading workers
 
     sums = maps.checksums(job.ranges)
     segments = [(ooff, maps.view(slab, soff, n)) for slab, soff, ooff, n in coalesce(job.ranges)]
@@ -227,7 +227,7 @@ def main(fd: int) -> None:
 
 if __name__ == "__main__":
     # Run from the imported module, not ``__main__``: unpickled jobs are instances of
-    # ``dcp_plus._worker``'s classes, which ``isinstance`` must see.
-    from dcp_plus import _worker
+    # ``dcp_plus.writers.worker``'s classes, which ``isinstance`` must see.
+    from dcp_plus.writers import worker as _worker
 
     _worker.main(int(sys.argv[1]))

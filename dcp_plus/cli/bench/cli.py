@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from dcp_plus.bench.config import add_bench_arguments, config_from_args
+from dcp_plus.cli.bench.config import add_bench_arguments, config_from_args
 
 __all__ = ["add_bench_arguments", "cmd_bench"]
 
@@ -14,9 +14,9 @@ __all__ = ["add_bench_arguments", "cmd_bench"]
 def cmd_bench(args: argparse.Namespace) -> int:
     """Exit status 0 on success (also when ``--plot`` was asked for without matplotlib: the
     table and JSON are still written and stderr says why there is no PNG), 2 on bad input."""
-    from dcp_plus.bench.plot import have_matplotlib, write_png
-    from dcp_plus.bench.report import render
-    from dcp_plus.bench.runner import run
+    from dcp_plus.cli.bench.plot import have_matplotlib, write_png
+    from dcp_plus.cli.bench.report import render
+    from dcp_plus.cli.bench.runner import run
 
     try:
         cfg = config_from_args(args)

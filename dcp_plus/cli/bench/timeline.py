@@ -1,6 +1,6 @@
 """A short CPU training loop with a checkpoint every k steps, timestamped.
 
-The same loop (``dcp_plus.demo``'s TinyLM + AdamW) runs three times: without checkpoints,
+The same loop (``dcp_plus.cli.demo``'s TinyLM + AdamW) runs three times: without checkpoints,
 with stock ``dcp.async_save`` + ``FileSystemWriter`` (the default: it stages inside the call;
 a new save first waits for the previous one to persist), and with dcp_plus (``ArenaStager``
 guarding the optimizer + ``CachedSavePlanner`` + ``LocalWriter``). Every step's start and end,
@@ -34,7 +34,7 @@ def _stamp(ev: dict[str, Any], key: str, now: Callable[[], float]) -> Callable[[
 def run_loop(kind: str, root: str, steps: int, every: int, dim: int,
              progress: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """One timestamped run; ``kind`` is :data:`NONE`, :data:`STOCK` or :data:`PLUS`."""
-    from dcp_plus.demo import build, state_of, train_step
+    from dcp_plus.cli.demo import build, state_of, train_step
     from dcp_plus.planners import CachedSavePlanner
     from dcp_plus.stagers import ArenaStager
     from dcp_plus.writers import LocalWriter

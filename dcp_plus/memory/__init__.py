@@ -1,0 +1,1 @@
+"""Shared host memory: slabs and their registry, skipped (HSDP replica) views."""
