@@ -9,8 +9,10 @@ Compressed extents are read into a buffer of their stored size, checksummed, and
 
 from __future__ import annotations
 
+import abc
 import io
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,13 +24,19 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
+from dcp_plus.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.extent import BYTESIO
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
 from dcp_plus.format.values import byte_view, check_loads_safely
-from dcp_plus.readers.extents import verify_checksum
+from dcp_plus.readers.extents import check_extent_bounds, verify_checksum
 from dcp_plus.readers.raw_bytes import deliver_bytesio
+from dcp_plus.storage.objectio import ExtentStore, ObjectStore
 
 BATCH_BYTES = 64 << 20
 PICKLE_PROTOCOL_BYTE = 0x80
@@ -40,14 +48,16 @@ def describe(index: MetadataIndex) -> str:
 
 
 class ExtentReader(StorageReader):
-    """Base of the dcp_plus readers; subclasses locate and read the bytes.
+    """The one dcp_plus reader over a store; a subclass opens its store and names its settings.
 
-    Subclasses set ``self.path`` (directory or URL) and implement :meth:`_record_bytes`,
-    :meth:`_stock_reader`, :meth:`_check_bounds` and :meth:`_fill`. A pickled (stock DCP)
-    record is refused unless ``allow_pickle=True``; then the stock reader does the load.
+    Subclasses set ``self.path`` (directory or URL) and implement :meth:`_open_store`,
+    :meth:`_set_checkpoint_id` and :meth:`_stock_reader`. A pickled (stock DCP) record is
+    refused unless ``allow_pickle=True``; then the stock reader does the load.
     """
 
     path: str
+    _unit = "object"
+    """What messages call a data file of this store."""
 
     def __init__(self, *, verify: bool, threads: int, allow_pickle: bool) -> None:
         super().__init__()
@@ -55,10 +65,51 @@ class ExtentReader(StorageReader):
         self.threads = threads
         self.allow_pickle = allow_pickle
         self._stock: StorageReader | None = None
+        self._store_obj: ObjectStore | None = None
         self._extents: dict[MetadataIndex, Extent] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
 
-    # -- subclass hooks ---------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_store_obj"] = None  # reconnects where it is unpickled
+        return state
+
+    # -- what a subclass provides -----------------------------------------------------------
+
+    @abc.abstractmethod
+    def _open_store(self) -> ObjectStore:
+        """The store of ``checkpoint_id`` (opened on first use, again after ``close``)."""
+
+    @abc.abstractmethod
+    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None: ...
+
+    @abc.abstractmethod
+    def _stock_reader(self) -> StorageReader:
+        """DCP's own reader for this location (used only with ``allow_pickle=True``)."""
+
+    # -- the store --------------------------------------------------------------------------
+
+    @property
+    def _store(self) -> ObjectStore:
+        if self._store_obj is None:
+            self._store_obj = self._open_store()
+        return self._store_obj
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.close()
+            self._set_checkpoint_id(checkpoint_id)
+        self._stock = None
+
+    def close(self) -> None:
+        """Release connections and threads (reopened on next use)."""
+        if self._store_obj is not None:
+            self._store_obj.close()
+            self._store_obj = None
 
     def _location(self, name: str) -> str:
         """How messages name data file ``name``."""
@@ -66,15 +117,18 @@ class ExtentReader(StorageReader):
 
     def _record_bytes(self) -> bytes:
         """The commit record's bytes; CheckpointNotFoundError when there is none."""
-        raise NotImplementedError
-
-    def _stock_reader(self) -> StorageReader:
-        """DCP's own reader for this location (used only with ``allow_pickle=True``)."""
-        raise NotImplementedError
+        data = self._store.get(RECORD_NAME)  # stores refuse objects over MAX_RECORD_BYTES
+        if data is None:
+            raise CheckpointNotFoundError(
+                f"{self.path}: no commit record {RECORD_NAME}, so no committed checkpoint is "
+                "there (an interrupted save leaves none)")
+        return data
 
     def _check_bounds(self) -> None:
         """Raise CheckpointFormatError if an extent's file is missing or too short."""
-        raise NotImplementedError
+        sizes = self._store.sizes(sorted({e.file for e in self._extents.values()}))
+        check_extent_bounds(((describe(i), e) for i, e in self._extents.items()),
+                            sizes.__getitem__, self._location)
 
     def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str) -> None:
         """Fill each ``(offset, buffer)`` from data file ``name``; ``what`` names the items.
@@ -82,7 +136,11 @@ class ExtentReader(StorageReader):
         Raises:
             CorruptCheckpointError: the file ends before an extent does.
         """
-        raise NotImplementedError
+        try:
+            self._store.read(name, reads)
+        except EOFError as e:
+            raise CorruptCheckpointError(
+                f"{e} while reading {what}: truncated {self._unit}") from None
 
     # -- StorageReader ----------------------------------------------------------------------
 
@@ -135,8 +193,12 @@ class ExtentReader(StorageReader):
 
     def _read_extents(self, by_extent: dict[MetadataIndex, list[ReadItem]],
                       planner: LoadPlanner) -> None:
-        """Read, verify and deliver every extent of ``by_extent``: per data file, batches of
-        up to ``BATCH_BYTES`` filled by :meth:`_fill` on ``threads`` threads."""
+        """Read, verify and deliver every extent of ``by_extent``: as one pipeline of requests
+        where the store reads that way, else per data file in batches of up to
+        ``BATCH_BYTES`` filled by :meth:`_fill` on ``threads`` threads."""
+        if isinstance(self._store, ExtentStore):
+            self._read_pipelined(self._store, by_extent, planner)
+            return
         per_file: dict[str, list[MetadataIndex]] = defaultdict(list)
         for idx in by_extent:
             per_file[self._extent(idx).file].append(idx)
@@ -158,6 +220,36 @@ class ExtentReader(StorageReader):
                        for name, b in batches]
             for f in futures:
                 f.result()
+
+    def _read_pipelined(self, store: ExtentStore,
+                        by_extent: dict[MetadataIndex, list[ReadItem]],
+                        planner: LoadPlanner) -> None:
+        # One pipeline over all the objects: ranged GETs aligned to range_size run
+        # `concurrency` at a time in order; an extent's destination is resolved just before
+        # its first GET starts, and it is verified and delivered on one of `threads` threads
+        # as soon as its last GET is in. No per-batch barriers, no batch-boundary fragments.
+        indexes = sorted(by_extent, key=lambda i: (self._extent(i).file, self._extent(i).offset))
+        extents = [self._extent(i) for i in indexes]
+        opened: dict[int, tuple[memoryview, Callable[[], None]]] = {}
+
+        def open_extent(k: int) -> memoryview:
+            opened[k] = self._destination(indexes[k], by_extent[indexes[k]], planner)
+            return opened[k][0]
+
+        def done(k: int) -> None:
+            buf, finish = opened.pop(k)
+            self._deliver(indexes[k], buf, finish)
+
+        for k, e in enumerate(extents):
+            if not e.length:  # nothing to fetch
+                open_extent(k)
+                done(k)
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-read") as pool:
+            try:
+                store.read_extents([(e.file, e.offset, e.length) for e in extents],
+                                   open_extent, done, pool)
+            except EOFError as e:
+                raise CorruptCheckpointError(f"{e}: truncated {self._unit}") from None
 
     # -- shared machinery -------------------------------------------------------------------
 

@@ -13,10 +13,7 @@ from dcp_plus.format.checksum import (
     checksum_bytes,
 )
 from dcp_plus.format.record import Extent
-from dcp_plus.storage.fileio import open_regular, preadinto_all
-
-COALESCE_GAP = 64 << 10
-MAX_IOV = 512
+from dcp_plus.storage.fileio import open_regular
 
 
 def check_extent_bounds(extents: Iterable[tuple[str, Extent]],
@@ -85,38 +82,3 @@ def check_digest(actual: str, ext: Extent, what: str, root: str, identity: str) 
             "record says this extent holds; the data file is corrupt (or the record entry "
             "was moved, or its dtype or lengths edited)"
         )
-
-
-def read_coalesced(fd: int, path: str, reads: list[tuple[int, memoryview]]) -> None:
-    """Fill each ``(offset, buffer)``; neighbours within 64 KiB share one preadv call.
-
-    Empty buffers read nothing: their offset may lie past the end of the file (an empty value
-    placed, aligned, after the file's last byte).
-    """
-    reads = sorted((r for r in reads if len(r[1])), key=lambda r: r[0])
-    i = 0
-    while i < len(reads):
-        start = reads[i][0]
-        iov: list[memoryview] = [reads[i][1]]
-        end = start + len(reads[i][1])
-        j = i + 1
-        while j < len(reads) and len(iov) < MAX_IOV - 1:
-            off, buf = reads[j]
-            gap = off - end
-            if gap < 0 or gap > COALESCE_GAP:
-                break
-            if gap:
-                iov.append(memoryview(bytearray(gap)))
-            iov.append(buf)
-            end = off + len(buf)
-            j += 1
-        total = end - start
-        n = os.preadv(fd, iov, start) if total else 0
-        if n < total:  # short read: finish buffer by buffer (raises EOFError at a real end)
-            pos = start
-            for buf in iov:
-                if pos + len(buf) > start + n:
-                    skip = max(0, start + n - pos)
-                    preadinto_all(fd, buf[skip:], pos + skip, path)
-                pos += len(buf)
-        i = j

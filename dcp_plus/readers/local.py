@@ -7,14 +7,12 @@ import os
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.storage import StorageReader
 
-from dcp_plus.errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-)
+from dcp_plus.errors import CheckpointNotFoundError
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.readers.base import ExtentReader, describe
-from dcp_plus.readers.extents import check_bounds, read_coalesced
-from dcp_plus.storage.fileio import open_regular, read_regular
+from dcp_plus.storage.fileio import read_regular
+from dcp_plus.storage.localfs import LocalFileStore
+from dcp_plus.storage.urls import is_url
 
 __all__ = ["LocalReader", "describe", "read_record"]
 
@@ -51,39 +49,28 @@ class LocalReader(ExtentReader):
             ``.metadata`` is a pickle that can run code; only for checkpoints you trust.
     """
 
+    _unit = "file"
+
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, threads: int = 4,
                  allow_pickle: bool = False) -> None:
         super().__init__(verify=verify, threads=threads, allow_pickle=allow_pickle)
         self.path = os.fspath(path)
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
-        self._stock = None
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
+    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
+        self.path = os.fspath(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return "://" not in str(checkpoint_id)
+        return not is_url(checkpoint_id)
+
+    def _open_store(self) -> LocalFileStore:
+        return LocalFileStore(self.path)
+
+    def _location(self, name: str) -> str:
+        return os.path.join(self.path, name)
 
     def _record_bytes(self) -> bytes:
-        return read_record(self.path)
+        return read_record(self.path)  # names a missing directory or a directory record
 
     def _stock_reader(self) -> StorageReader:
         return FileSystemReader(self.path)
-
-    def _check_bounds(self) -> None:
-        check_bounds(self.path, ((describe(i), e) for i, e in self._extents.items()))
-
-    def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str) -> None:
-        path = os.path.join(self.path, name)
-        fd = open_regular(self.path, name)
-        try:
-            read_coalesced(fd, path, reads)
-        except EOFError as e:
-            raise CorruptCheckpointError(f"{e} while reading {what}: truncated file") from None
-        finally:
-            os.close(fd)

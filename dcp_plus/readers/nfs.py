@@ -15,15 +15,16 @@ from dcp_plus.errors import (
     CheckpointFormatError,
 )
 from dcp_plus.format.record import RECORD_NAME, decode_record
-from dcp_plus.readers.object_store import ObjectStoreReader
+from dcp_plus.readers.base import ExtentReader
 from dcp_plus.storage.nfsio import join_target, open_nfs_store
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig
 from dcp_plus.storage.retry import RetryPolicy
+from dcp_plus.storage.urls import is_nfs_target
 
 log = logging.getLogger(__name__)
 
 
-class NFSReader(ObjectStoreReader):
+class NFSReader(ExtentReader):
     """Parallel, checksum-verifying reader of checkpoints on a shared file system.
 
     Reads a mounted directory or an ``nfs://`` URL (see :class:`~dcp_plus.writers.NFSWriter`)
@@ -48,23 +49,27 @@ class NFSReader(ObjectStoreReader):
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, allow_pickle: bool = False,
                  export: str | None = None) -> None:
-        super().__init__(os.fspath(path), storage_options, verify=verify,
-                         concurrency=concurrency, threads=threads, max_retries=max_retries,
-                         retry_base_delay=retry_base_delay, retry_max_delay=retry_max_delay,
-                         allow_pickle=allow_pickle)
+        super().__init__(verify=verify, threads=threads, allow_pickle=allow_pickle)
+        self.path = os.fspath(path).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.config = StoreConfig(concurrency=concurrency,
+                                  retry=RetryPolicy(max_retries, retry_base_delay,
+                                                    retry_max_delay))
         self.export = export
 
     @property
-    def _store(self) -> ObjectStore:
-        if self._store_obj is None:
-            self._store_obj = open_nfs_store(self.path, self.storage_options, self.config,
-                                             export=self.export)
-        return self._store_obj
+    def url(self) -> str:
+        return self.path
+
+    def _open_store(self) -> ObjectStore:
+        return open_nfs_store(self.path, self.storage_options, self.config, export=self.export)
+
+    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
+        self.path = os.fspath(checkpoint_id).rstrip("/")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        s = str(checkpoint_id)
-        return s.startswith("nfs://") or "://" not in s
+        return is_nfs_target(checkpoint_id)
 
     def _stock_reader(self) -> StorageReader:
         if self.path.startswith("nfs://"):

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dcp_plus.errors import CheckpointFormatError
 
 CHUNK = 64 << 20  # bounded syscalls: progress checks between them stay responsive
+COALESCE_GAP = 64 << 10
+MAX_IOV = 512
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int,
@@ -37,6 +39,41 @@ def preadinto_all(fd: int, buf: memoryview, offset: int, path: str) -> None:
         done += n
 
 
+def read_coalesced(fd: int, path: str, reads: list[tuple[int, memoryview]]) -> None:
+    """Fill each ``(offset, buffer)``; neighbours within 64 KiB share one preadv call.
+
+    Empty buffers read nothing: their offset may lie past the end of the file (an empty value
+    placed, aligned, after the file's last byte).
+    """
+    reads = sorted((r for r in reads if len(r[1])), key=lambda r: r[0])
+    i = 0
+    while i < len(reads):
+        start = reads[i][0]
+        iov: list[memoryview] = [reads[i][1]]
+        end = start + len(reads[i][1])
+        j = i + 1
+        while j < len(reads) and len(iov) < MAX_IOV - 1:
+            off, buf = reads[j]
+            gap = off - end
+            if gap < 0 or gap > COALESCE_GAP:
+                break
+            if gap:
+                iov.append(memoryview(bytearray(gap)))
+            iov.append(buf)
+            end = off + len(buf)
+            j += 1
+        total = end - start
+        n = os.preadv(fd, iov, start) if total else 0
+        if n < total:  # short read: finish buffer by buffer (raises EOFError at a real end)
+            pos = start
+            for buf in iov:
+                if pos + len(buf) > start + n:
+                    skip = max(0, start + n - pos)
+                    preadinto_all(fd, buf[skip:], pos + skip, path)
+                pos += len(buf)
+        i = j
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so that the names created in it are durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -46,12 +83,13 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _durable_tmp(path: str, data: bytes, tmp_suffix: str) -> str:
+def _durable_tmp(path: str, data: bytes, tmp_suffix: str, durable: bool = True) -> str:
     tmp = f"{path}.{tmp_suffix}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         pwrite_all(fd, memoryview(data), 0)
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
@@ -60,10 +98,12 @@ def _durable_tmp(path: str, data: bytes, tmp_suffix: str) -> str:
     return tmp
 
 
-def atomic_write(path: str, data: bytes, tmp_suffix: str) -> None:
-    """Write ``data`` to ``path`` atomically: tmp + fsync + rename + directory fsync."""
-    os.rename(_durable_tmp(path, data, tmp_suffix), path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+def atomic_write(path: str, data: bytes, tmp_suffix: str, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically: tmp + fsync + rename + directory fsync (without
+    ``durable``: tmp + rename only, for throwaway checkpoints)."""
+    os.rename(_durable_tmp(path, data, tmp_suffix, durable), path)
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def atomic_create(path: str, data: bytes, tmp_suffix: str) -> bool:

@@ -1,5 +1,10 @@
-"""What every dcp_plus writer shares: per-save ids, per-rank plan info, the O(1)
-write-result exchange through per-rank extent tables, and the commit."""
+"""The one committing writer: every dcp_plus ``StorageWriter`` is this over a store.
+
+A store (``LocalFileStore``, an NFS store, an fsspec/S3 store) holds the files of one
+checkpoint; this class plans the data files, writes them (slab-backed ones by the shared
+worker-process pool where the store lets another process write, the rest in this process),
+exchanges each rank's extents in O(1) bytes per rank, and commits the record last.
+"""
 
 from __future__ import annotations
 
@@ -8,33 +13,31 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
-from dcp_plus.errors import CheckpointFormatError, DcpPlusError
-from dcp_plus.format.checksum import bind_checksum, checksum_bytes
-from dcp_plus.format.extent import identity_of
+from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError, DcpPlusError
+from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.format.codecs import Codec
 from dcp_plus.format.layout import is_data_file
-from dcp_plus.format.record import (
-    Extent,
-    decode_extent_table,
-    decode_record,
-    dtype_name,
-    encode_extent_table,
-    encode_record,
-)
-from dcp_plus.format.strict_json import check_text
-from dcp_plus.writers.layout import FilePlan
+from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
+from dcp_plus.storage.objectio import ObjectStore
+from dcp_plus.writers.codec_choice import CodecChoice
+from dcp_plus.writers.extent_tables import build_extents, collect_extents, write_results
+from dcp_plus.writers.items import resolve_items
+from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
+from dcp_plus.writers.pool import DEFAULT_NICE, check_pool_settings, shared_pool
+from dcp_plus.writers.worker import Job
 
 log = logging.getLogger(__name__)
 
-TABLE_FQN = "__dcp_plus_extent_table__"
 Fence = Callable[[], None]
 """Raises when this writer may no longer write where it is (``CheckpointManager``'s lease)."""
 
@@ -51,45 +54,49 @@ class RankInfo:
     world: int = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class ExtentTableRef:
-    """The one write result a rank sends in a multi-rank save: where its extents are."""
-
-    name: str
-    checksum: str
-    count: int
-
-
 def new_save_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    return "://" in str(path)
-
-
-def extent_table_name(rank: int, save_id: str) -> str:
-    return f"__{rank}.{save_id}.extents"
-
-
 class CommittingWriter(StorageWriter):
-    """Base of writers whose coordinator commits one record of every rank's extents.
+    """Base of the dcp_plus writers; a subclass opens its store and names its settings.
 
     In a multi-rank save each rank stores its extent table next to its data and returns a
-    single :class:`ExtentTableRef`, so DCP's gather of write results carries O(1) bytes per
-    rank whatever the tensor count; the coordinator reads the tables back in ``finish``,
-    writes the record, and (``overwrite=True``) then removes the data files of the record it
-    replaced, and only those: files of any other save (one still running, or one that
-    crashed) are never touched. Subclasses provide the storage hooks below.
+    single reference, so DCP's gather of write results carries O(1) bytes per rank whatever
+    the tensor count; the coordinator reads the tables back in ``finish``, writes the record,
+    and (``overwrite=True``) then removes the data files of the record it replaced, and only
+    those: files of any other save (one still running, or one that crashed) are never
+    touched. A failed ``write_data`` removes the files of its own save.
+
+    Args (shared by every writer):
+        overwrite, codec, codecs, fence, allow_pickle: see :class:`~dcp_plus.LocalWriter`.
+        workers, worker_nice: the shared writer-process pool; ``workers=0``: no pool.
     """
 
-    save_id: str
-    rank: int
-    overwrite: bool
-    fence: Fence | None = None
-    is_coordinator: bool = True
-    _transient: tuple[str, ...] = ()
+    _transient: tuple[str, ...] = ("_store_obj", "_feeder")
     """Attributes dropped when DCP pickles the writer into its PROCESS-mode daemon."""
+    _bins = 1
+    """How many files the data outside stager slabs is spread over."""
+    _slab_parts = 1
+    """How many files one slab may be cut into (parallel writers never share a file)."""
+
+    def __init__(self, *, overwrite: bool, codec: str | Codec,
+                 codecs: Mapping[str, str | Codec] | None, fence: Fence | None,
+                 allow_pickle: bool, workers: int = 0, worker_nice: int = DEFAULT_NICE) -> None:
+        super().__init__()
+        if workers:
+            check_pool_settings(type(self).__name__, workers, worker_nice)
+        self.overwrite = overwrite
+        self.codecs = CodecChoice(codec, codecs)
+        self.fence = fence
+        self.allow_pickle = allow_pickle
+        self.workers = workers
+        self.worker_nice = worker_nice
+        self.save_id = new_save_id()
+        self.rank = 0
+        self.is_coordinator = True
+        self._store_obj: ObjectStore | None = None
+        self._feeder: ThreadPoolExecutor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -97,47 +104,49 @@ class CommittingWriter(StorageWriter):
             state[name] = None
         return state
 
-    def _exists_message(self) -> str:
-        return (f"{self.checkpoint_id} already holds a committed checkpoint; pass overwrite=True "
-                "to replace it (the old one stays loadable until the new one commits) or save "
-                "to a new location")
+    # -- what a subclass provides -----------------------------------------------------------
 
     @property
     @abc.abstractmethod
     def checkpoint_id(self) -> str: ...
 
-    # -- storage hooks ----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _open_store(self) -> ObjectStore:
+        """The store of ``checkpoint_id`` (opened on first use, again after ``close``)."""
 
     @abc.abstractmethod
-    def _put_table(self, name: str, data: bytes) -> None:
-        """Store a rank's extent table ``name`` (read back by the coordinator)."""
+    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None: ...
 
-    @abc.abstractmethod
-    def _get_table(self, name: str) -> bytes: ...
+    def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
+        """One worker-pool job per slab-backed file; only called for stores that another
+        process can write (``uploads_from_any_process``) and writers with ``workers``."""
+        raise NotImplementedError
 
-    @abc.abstractmethod
-    def _delete_tables(self, names: Sequence[str]) -> None: ...
-
-    @abc.abstractmethod
-    def _committed_record(self) -> bytes | None:
-        """The bytes of the commit record now in place, None if there is none."""
-
-    @abc.abstractmethod
-    def _commit(self, record: bytes) -> None:
-        """Put the commit record in place atomically (the checkpoint exists from then on).
-
-        Raises:
-            CheckpointExistsError: a record appeared meanwhile and ``overwrite`` is off.
-        """
-
-    @abc.abstractmethod
-    def _delete_data(self, names: Sequence[str]) -> None:
-        """Remove data files ``names`` (already gone ones are no error)."""
+    def _prepare(self, names: list[str]) -> None:
+        """Before any data is written: the store's preparation of the data files ``names``."""
 
     # -- StorageWriter ----------------------------------------------------------------------
 
-    def _set_up(self, is_coordinator: bool, kwargs: dict[str, Any]) -> None:
-        """What every ``set_up_storage_writer`` does first; runs on every rank, every save."""
+    @property
+    def _store(self) -> ObjectStore:
+        if self._store_obj is None:
+            self._store_obj = self._open_store()
+        return self._store_obj
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.close()
+            self._set_checkpoint_id(checkpoint_id)
+        self.save_id = new_save_id()
+
+    def _exists_message(self) -> str:
+        return (f"{self.checkpoint_id} already holds a committed checkpoint; pass overwrite=True "
+                "to replace it (the old one stays loadable until the new one commits) or save "
+                "to a new location")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Runs on every rank, every save (inside DCP's planning step, whose errors reach
+        every rank)."""
         if kwargs.get("use_collectives", True) is False:
             # every rank would run finish() and commit a record holding only its own items
             raise CheckpointFormatError(
@@ -150,6 +159,9 @@ class CommittingWriter(StorageWriter):
         self.save_id = new_save_id()
         if is_coordinator and self.fence is not None:
             self.fence()  # before anything is written (DCP hands the error to every rank)
+        if (is_coordinator and not self.overwrite
+                and self._store.sizes([RECORD_NAME])[RECORD_NAME] is not None):
+            raise CheckpointExistsError(self._exists_message())
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
@@ -161,27 +173,92 @@ class CommittingWriter(StorageWriter):
         return [dataclasses.replace(p, storage_data=RankInfo(i, len(plans)))
                 for i, p in enumerate(plans)]
 
-    def _plan_info(self, plan: SavePlan) -> RankInfo:
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         info = plan.storage_data
-        return info if isinstance(info, RankInfo) else RankInfo(self.rank)
+        if not isinstance(info, RankInfo):
+            info = RankInfo(self.rank)
+        items = resolve_items(plan, planner, self.allow_pickle)
+        raw_lengths = {id(r): len(r.data) for r in items}
+        codec_names = {id(r): self.codecs.encode(r) for r in items}
+        slab_files, other_files = plan_files(items, info.rank, self.save_id, self._bins,
+                                             slab_parts=self._slab_parts)
+        files = slab_files + other_files
+        try:
+            self._prepare([fp.name for fp in files])
+            sums = self._write_files(slab_files, other_files)
+            extents = build_extents(files, raw_lengths, codec_names, sums)
+            results = write_results(info.rank, info.world, self.save_id, extents,
+                                    self._put_table)
+        except BaseException:
+            self._remove_own_files([fp.name for fp in files])
+            raise
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_files(self, slab_files: list[FilePlan],
+                     other_files: list[FilePlan]) -> dict[int, str]:
+        """Write the planned files; the content checksums by ``id(item)``. Slab-backed files
+        go to the worker pool (on this thread) while the rest are written on a feeder thread."""
+        store = self._store
+        in_workers = slab_files if self.workers and store.uploads_from_any_process else []
+        in_process = other_files if in_workers else slab_files + other_files
+        if not in_workers:
+            return _write_in_process(store, in_process)
+        if self._feeder is None:
+            self._feeder = ThreadPoolExecutor(1, thread_name_prefix="dcpp-upload")
+        pending = self._feeder.submit(_write_in_process, store, in_process)
+        try:
+            jobs = self._worker_jobs(in_workers)  # one job per file: never two writers to one
+            sums = checksums_by_item(in_workers,
+                                     shared_pool(self.workers, self.worker_nice).run(jobs))
+        finally:
+            pending.exception()  # no thread may still write when this returns or raises
+        sums.update(pending.result())
+        return sums
+
+    def _remove_own_files(self, names: list[str]) -> None:
+        """After a failed write: this save's files (their names carry its save id, so no
+        other save's file is among them). A failure here is logged, not raised over the
+        error that got us here."""
+        try:
+            self._store.delete(names)
+        except Exception as e:  # noqa: BLE001
+            log.warning("%s: could not remove the files of the failed save %s: %s",
+                        self.checkpoint_id, self.save_id, e)
+
+    def _put_table(self, name: str, data: bytes) -> None:
+        self._store.put(name, data, if_absent=False)
+
+    def _get_table(self, name: str) -> bytes:
+        data = self._store.get(name)
+        if data is None:
+            raise CheckpointFormatError(f"{self._store.location(name)}: extent table missing")
+        return data
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        extents, tables = self._collect(metadata, results)
+        store = self._store
+        extents, tables = collect_extents(results, self._get_table, store.location)
+        metadata.storage_data = extents
+        metadata.storage_meta = self.storage_meta()
+        metadata.version = CURRENT_DCP_VERSION
         record = encode_record(metadata, extents)
         replaced = self._replaced_files() if self.overwrite else set()
         if self.fence is not None:
             self.fence()  # a writer fenced off while this save ran must not commit it
-        self._commit(record)
-        self._delete_tables(tables)
+        if not store.put(RECORD_NAME, record, if_absent=not self.overwrite):
+            raise CheckpointExistsError(self._exists_message() + " (it was committed while "
+                                        "this save was running)")
+        store.delete(tables)
         stale = sorted(replaced - {e.file for e in extents.values()})
         if stale:
-            self._delete_data(stale)
+            store.delete(stale)
             log.info("%s: removed %d data files of the checkpoint this commit replaced",
                      self.checkpoint_id, len(stale))
 
     def _replaced_files(self) -> set[str]:
         """The data files of the record this save will replace."""
-        data = self._committed_record()
+        data = self._store.get(RECORD_NAME)
         if data is None:
             return set()
         try:
@@ -192,71 +269,25 @@ class CommittingWriter(StorageWriter):
             return set()
         return {e.file for e in old.storage_data.values() if is_data_file(e.file)}
 
-    @staticmethod
-    def _extents(files: Sequence[FilePlan], raw_lengths: dict[int, int], codecs: dict[int, str],
-                 sums: dict[int, str]) -> list[tuple[MetadataIndex, Extent]]:
-        """The extents of the items placed in ``files``; raw lengths, codecs and content
-        ``sums`` by ``id(item)``; checksums bound to each extent's identity (version 2)."""
-        out = []
-        dtype_names: dict[torch.dtype, str] = {}
-        for fp in files:
-            name = fp.name
-            for r, off in fp.placed:
-                index = r.item.index
-                fqn = index.fqn
-                problem = check_text(fqn)
-                if problem is not None:
-                    raise CheckpointFormatError(f"state dict key {fqn!r} {problem}; "
-                                                "dcp_plus records keys as UTF-8 text")
-                td = r.item.tensor_data
-                dname = None
-                if td is not None:
-                    dtype = td.properties.dtype
-                    dname = dtype_names.get(dtype) or dtype_names.setdefault(
-                        dtype, dtype_name(dtype))
-                key = id(r)
-                raw_length, length, codec = raw_lengths[key], len(r.data), codecs[key]
-                identity = identity_of(fqn, index.offset, dname, raw_length, length, codec,
-                                       r.value)
-                out.append((index, Extent(name, off, length, raw_length, codec,
-                                          bind_checksum(sums[key], identity), r.value)))
-        return out
+    def close(self) -> None:
+        """Release this writer's store and threads (reopened on next use). The shared worker
+        pool stays up for other writers; ``dcp_plus.writers.shutdown_pool`` stops it."""
+        if self._feeder is not None:
+            self._feeder.shutdown(wait=True)
+            self._feeder = None
+        if self._store_obj is not None:
+            self._store_obj.close()
+            self._store_obj = None
 
-    def _results(self, info: RankInfo,
-                 extents: list[tuple[MetadataIndex, Extent]]) -> list[WriteResult]:
-        if info.world <= 1:
-            return [WriteResult(index=i, size_in_bytes=e.length, storage_data=e)
-                    for i, e in extents]
-        data = encode_extent_table(dict(extents))
-        name = extent_table_name(info.rank, self.save_id)
-        self._put_table(name, data)
-        ref = ExtentTableRef(name, checksum_bytes(data), len(extents))
-        return [WriteResult(index=MetadataIndex(f"{TABLE_FQN}/{info.rank}"),
-                            size_in_bytes=sum(e.length for _, e in extents), storage_data=ref)]
 
-    def _collect(self, metadata: Metadata,
-                 results: list[list[WriteResult]]) -> tuple[dict[MetadataIndex, Extent], list[str]]:
-        """Every rank's extents (tables read back and checked) and the table names."""
-        extents: dict[MetadataIndex, Extent] = {}
-        tables = []
-        for rank_results in results:
-            for wr in rank_results:
-                ref = wr.storage_data
-                if isinstance(ref, ExtentTableRef):
-                    data = self._get_table(ref.name)
-                    where = f"{self.checkpoint_id}/{ref.name}"
-                    if checksum_bytes(data) != ref.checksum:
-                        raise CheckpointFormatError(f"{where}: extent table does not match the "
-                                                    "checksum its rank reported")
-                    table = decode_extent_table(data, where)
-                    if len(table) != ref.count:
-                        raise CheckpointFormatError(f"{where}: {len(table)} extents, its rank "
-                                                    f"reported {ref.count}")
-                    extents.update(table)
-                    tables.append(ref.name)
-                else:
-                    extents[wr.index] = ref
-        metadata.storage_data = extents
-        metadata.storage_meta = self.storage_meta()
-        metadata.version = CURRENT_DCP_VERSION
-        return extents, tables
+def _write_in_process(store: ObjectStore, files: list[FilePlan]) -> dict[int, str]:
+    """Checksum and write ``files`` from this process; the checksums by ``id(item)``."""
+    sums: dict[int, str] = {}
+    objects = []
+    for fp in files:
+        sums.update((id(r), checksum_bytes(r.data)) for r, _ in fp.placed)
+        objects.append((fp.name, [(off, r.data) for r, off in fp.placed if len(r.data)],
+                        fp.size))
+    if objects:
+        store.upload(objects)
+    return sums

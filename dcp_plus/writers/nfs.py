@@ -8,18 +8,13 @@ from typing import Any
 
 from dcp_plus.format.codecs import Codec
 from dcp_plus.storage.nfsio import open_nfs_store
-from dcp_plus.storage.objectio import ObjectStore
-from dcp_plus.writers.base import Fence
-from dcp_plus.writers.object_store import ObjectStoreWriter
+from dcp_plus.storage.objectio import ObjectStore, StoreConfig
+from dcp_plus.storage.retry import RetryPolicy
+from dcp_plus.storage.urls import is_nfs_target
+from dcp_plus.writers.base import CommittingWriter, Fence
 
 
-def is_nfs_target(target: str | os.PathLike) -> bool:
-    """A mounted path (no URL scheme) or an ``nfs://`` URL."""
-    s = str(target)
-    return s.startswith("nfs://") or "://" not in s
-
-
-class NFSWriter(ObjectStoreWriter):
+class NFSWriter(CommittingWriter):
     """Checksummed checkpoints on a shared file system, safe under NFS semantics.
 
     ``path`` is either a directory of a mounted shared file system (NFS, Lustre, GPFS...) or
@@ -40,7 +35,6 @@ class NFSWriter(ObjectStoreWriter):
             the new record is in place, then the data files it referenced are removed.
         fsync: fsync data files and directories of a mounted path (``nfs://`` writes are
             always durable when they return).
-        part_size: unused on file systems (kept for the object-store signature).
         concurrency: parallel 8 MiB writes per rank.
         max_retries, retry_base_delay, retry_max_delay: the retry bound and backoff.
         codec, codecs: as for :class:`~dcp_plus.writers.LocalWriter`.
@@ -54,26 +48,32 @@ class NFSWriter(ObjectStoreWriter):
     """
 
     def __init__(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None,
-                 *, overwrite: bool = False, fsync: bool = True, part_size: int = 32 << 20,
-                 concurrency: int = 4, max_retries: int = 5, retry_base_delay: float = 0.2,
+                 *, overwrite: bool = False, fsync: bool = True, concurrency: int = 4,
+                 max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None,
                  export: str | None = None, fence: Fence | None = None,
                  allow_pickle: bool = False) -> None:
-        super().__init__(os.fspath(path), storage_options, overwrite=overwrite,
-                         part_size=part_size, concurrency=concurrency, max_retries=max_retries,
-                         retry_base_delay=retry_base_delay, retry_max_delay=retry_max_delay,
-                         codec=codec, codecs=codecs, fence=fence,
+        super().__init__(overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle)
+        self.url = os.fspath(path).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.config = StoreConfig(concurrency=concurrency,
+                                  retry=RetryPolicy(max_retries, retry_base_delay,
+                                                    retry_max_delay))
         self.fsync = fsync
         self.export = export
 
     @property
-    def _store(self) -> ObjectStore:
-        if self._store_obj is None:
-            self._store_obj = open_nfs_store(self.url, self.storage_options, self.config,
-                                             export=self.export, fsync=self.fsync)
-        return self._store_obj
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
+        self.url = os.fspath(checkpoint_id).rstrip("/")
+
+    def _open_store(self) -> ObjectStore:
+        return open_nfs_store(self.url, self.storage_options, self.config,
+                              export=self.export, fsync=self.fsync)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -11,7 +11,8 @@ import torch
 from dcp_plus import LocalReader
 from dcp_plus.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from dcp_plus.format.record import Extent
-from dcp_plus.readers.extents import check_bounds, read_coalesced, verify_checksum
+from dcp_plus.readers.extents import check_bounds, verify_checksum
+from dcp_plus.storage.fileio import read_coalesced
 from tests.conftest import (
     assert_bit_exact,
     build_state_dict,

@@ -1,0 +1,104 @@
+"""Write results as extents: each rank's extents, and the O(1)-per-rank exchange of them
+through extent tables stored beside the data."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.storage import WriteResult
+
+from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.format.checksum import bind_checksum, checksum_bytes
+from dcp_plus.format.extent import identity_of
+from dcp_plus.format.record import Extent, decode_extent_table, dtype_name, encode_extent_table
+from dcp_plus.format.strict_json import check_text
+from dcp_plus.writers.layout import FilePlan
+
+TABLE_FQN = "__dcp_plus_extent_table__"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtentTableRef:
+    """The one write result a rank sends in a multi-rank save: where its extents are."""
+
+    name: str
+    checksum: str
+    count: int
+
+
+def extent_table_name(rank: int, save_id: str) -> str:
+    return f"__{rank}.{save_id}.extents"
+
+
+def build_extents(files: Sequence[FilePlan], raw_lengths: dict[int, int],
+                  codecs: dict[int, str], sums: dict[int, str]
+                  ) -> list[tuple[MetadataIndex, Extent]]:
+    """The extents of the items placed in ``files``; raw lengths, codecs and content
+    ``sums`` by ``id(item)``; checksums bound to each extent's identity (version 2)."""
+    out = []
+    dtype_names: dict[torch.dtype, str] = {}
+    for fp in files:
+        name = fp.name
+        for r, off in fp.placed:
+            index = r.item.index
+            fqn = index.fqn
+            problem = check_text(fqn)
+            if problem is not None:
+                raise CheckpointFormatError(f"state dict key {fqn!r} {problem}; "
+                                            "dcp_plus records keys as UTF-8 text")
+            td = r.item.tensor_data
+            dname = None
+            if td is not None:
+                dtype = td.properties.dtype
+                dname = dtype_names.get(dtype) or dtype_names.setdefault(dtype, dtype_name(dtype))
+            key = id(r)
+            raw_length, length, codec = raw_lengths[key], len(r.data), codecs[key]
+            identity = identity_of(fqn, index.offset, dname, raw_length, length, codec, r.value)
+            out.append((index, Extent(name, off, length, raw_length, codec,
+                                      bind_checksum(sums[key], identity), r.value)))
+    return out
+
+
+def write_results(rank: int, world: int, save_id: str,
+                  extents: list[tuple[MetadataIndex, Extent]],
+                  put_table: Callable[[str, bytes], None]) -> list[WriteResult]:
+    """One result per extent in a one-rank save; else the extents go to a table stored with
+    ``put_table`` and the one result names it."""
+    if world <= 1:
+        return [WriteResult(index=i, size_in_bytes=e.length, storage_data=e) for i, e in extents]
+    data = encode_extent_table(dict(extents))
+    name = extent_table_name(rank, save_id)
+    put_table(name, data)
+    ref = ExtentTableRef(name, checksum_bytes(data), len(extents))
+    return [WriteResult(index=MetadataIndex(f"{TABLE_FQN}/{rank}"),
+                        size_in_bytes=sum(e.length for _, e in extents), storage_data=ref)]
+
+
+def collect_extents(results: list[list[WriteResult]], get_table: Callable[[str], bytes],
+                    location: Callable[[str], str]
+                    ) -> tuple[dict[MetadataIndex, Extent], list[str]]:
+    """Every rank's extents (tables read back with ``get_table`` and checked) and the names of
+    the tables read."""
+    extents: dict[MetadataIndex, Extent] = {}
+    tables = []
+    for rank_results in results:
+        for wr in rank_results:
+            ref = wr.storage_data
+            if isinstance(ref, ExtentTableRef):
+                data = get_table(ref.name)
+                where = location(ref.name)
+                if checksum_bytes(data) != ref.checksum:
+                    raise CheckpointFormatError(f"{where}: extent table does not match the "
+                                                "checksum its rank reported")
+                table = decode_extent_table(data, where)
+                if len(table) != ref.count:
+                    raise CheckpointFormatError(f"{where}: {len(table)} extents, its rank "
+                                                f"reported {ref.count}")
+                extents.update(table)
+                tables.append(ref.name)
+            else:
+                extents[wr.index] = ref
+    return extents, tables
