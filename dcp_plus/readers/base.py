@@ -37,6 +37,7 @@ from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import check_extent_bounds, verify_checksum
 from dcp_plus.readers.raw_bytes import deliver_bytesio
 from dcp_plus.storage.objectio import ExtentStore, ObjectStore
+from dcp_plus.storage.urls import CheckpointLocation
 
 BATCH_BYTES = 64 << 20
 PICKLE_PROTOCOL_BYTE = 0x80
@@ -47,20 +48,20 @@ def describe(index: MetadataIndex) -> str:
     return f"tensor {index.fqn!r}{chunk}"
 
 
-class ExtentReader(StorageReader):
+class ExtentReader(CheckpointLocation, StorageReader):
     """The one dcp_plus reader over a store; a subclass opens its store and names its settings.
 
-    Subclasses set ``self.path`` (directory or URL) and implement :meth:`_open_store`,
-    :meth:`_set_checkpoint_id` and :meth:`_stock_reader`. A pickled (stock DCP) record is
+    Subclasses implement :meth:`_open_store` and :meth:`_stock_reader`. A pickled (stock DCP) record is
     refused unless ``allow_pickle=True``; then the stock reader does the load.
     """
 
-    path: str
     _unit = "object"
     """What messages call a data file of this store."""
 
-    def __init__(self, *, verify: bool, threads: int, allow_pickle: bool) -> None:
+    def __init__(self, path: str | os.PathLike, *, verify: bool, threads: int,
+                 allow_pickle: bool) -> None:
         super().__init__()
+        self._set_location(path)
         self.verify = verify
         self.threads = threads
         self.allow_pickle = allow_pickle
@@ -81,9 +82,6 @@ class ExtentReader(StorageReader):
         """The store of ``checkpoint_id`` (opened on first use, again after ``close``)."""
 
     @abc.abstractmethod
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None: ...
-
-    @abc.abstractmethod
     def _stock_reader(self) -> StorageReader:
         """DCP's own reader for this location (used only with ``allow_pickle=True``)."""
 
@@ -95,14 +93,10 @@ class ExtentReader(StorageReader):
             self._store_obj = self._open_store()
         return self._store_obj
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.close()
-            self._set_checkpoint_id(checkpoint_id)
+            self._set_location(checkpoint_id)
         self._stock = None
 
     def close(self) -> None:

@@ -53,11 +53,7 @@ class LocalReader(ExtentReader):
 
     def __init__(self, path: str | os.PathLike, *, verify: bool = True, threads: int = 4,
                  allow_pickle: bool = False) -> None:
-        super().__init__(verify=verify, threads=threads, allow_pickle=allow_pickle)
-        self.path = os.fspath(path)
-
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
-        self.path = os.fspath(checkpoint_id)
+        super().__init__(path, verify=verify, threads=threads, allow_pickle=allow_pickle)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

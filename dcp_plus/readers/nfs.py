@@ -49,23 +49,15 @@ class NFSReader(ExtentReader):
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, allow_pickle: bool = False,
                  export: str | None = None) -> None:
-        super().__init__(verify=verify, threads=threads, allow_pickle=allow_pickle)
-        self.path = os.fspath(path).rstrip("/")
+        super().__init__(path, verify=verify, threads=threads, allow_pickle=allow_pickle)
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(concurrency=concurrency,
                                   retry=RetryPolicy(max_retries, retry_base_delay,
                                                     retry_max_delay))
         self.export = export
 
-    @property
-    def url(self) -> str:
-        return self.path
-
     def _open_store(self) -> ObjectStore:
         return open_nfs_store(self.path, self.storage_options, self.config, export=self.export)
-
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
-        self.path = os.fspath(checkpoint_id).rstrip("/")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -42,23 +42,15 @@ class ObjectStoreReader(ExtentReader):
                  coalesce_gap: int = 1 << 20, range_size: int = 32 << 20,
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, allow_pickle: bool = False) -> None:
-        super().__init__(verify=verify, threads=threads, allow_pickle=allow_pickle)
-        self.path = str(url).rstrip("/")
+        super().__init__(url, verify=verify, threads=threads, allow_pickle=allow_pickle)
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(concurrency=concurrency, coalesce_gap=coalesce_gap,
                                   range_size=range_size,
                                   retry=RetryPolicy(max_retries, retry_base_delay,
                                                     retry_max_delay))
 
-    @property
-    def url(self) -> str:
-        return self.path
-
     def _open_store(self) -> ObjectStore:
         return open_store(self.path, self.storage_options, self.config)
-
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
-        self.path = str(checkpoint_id).rstrip("/")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -29,6 +29,7 @@ from dcp_plus.format.codecs import Codec
 from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
 from dcp_plus.storage.objectio import ObjectStore
+from dcp_plus.storage.urls import CheckpointLocation
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.extent_tables import build_extents, collect_extents, write_results
 from dcp_plus.writers.items import resolve_items
@@ -58,7 +59,7 @@ def new_save_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-class CommittingWriter(StorageWriter):
+class CommittingWriter(CheckpointLocation, StorageWriter):
     """Base of the dcp_plus writers; a subclass opens its store and names its settings.
 
     In a multi-rank save each rank stores its extent table next to its data and returns a
@@ -80,12 +81,13 @@ class CommittingWriter(StorageWriter):
     _slab_parts = 1
     """How many files one slab may be cut into (parallel writers never share a file)."""
 
-    def __init__(self, *, overwrite: bool, codec: str | Codec,
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool, codec: str | Codec,
                  codecs: Mapping[str, str | Codec] | None, fence: Fence | None,
                  allow_pickle: bool, workers: int = 0, worker_nice: int = DEFAULT_NICE) -> None:
         super().__init__()
         if workers:
             check_pool_settings(type(self).__name__, workers, worker_nice)
+        self._set_location(path)
         self.overwrite = overwrite
         self.codecs = CodecChoice(codec, codecs)
         self.fence = fence
@@ -106,16 +108,9 @@ class CommittingWriter(StorageWriter):
 
     # -- what a subclass provides -----------------------------------------------------------
 
-    @property
-    @abc.abstractmethod
-    def checkpoint_id(self) -> str: ...
-
     @abc.abstractmethod
     def _open_store(self) -> ObjectStore:
         """The store of ``checkpoint_id`` (opened on first use, again after ``close``)."""
-
-    @abc.abstractmethod
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None: ...
 
     def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
         """One worker-pool job per slab-backed file; only called for stores that another
@@ -136,7 +131,7 @@ class CommittingWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.close()
-            self._set_checkpoint_id(checkpoint_id)
+            self._set_location(checkpoint_id)
         self.save_id = new_save_id()
 
     def _exists_message(self) -> str:

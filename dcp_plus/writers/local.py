@@ -55,23 +55,15 @@ class LocalWriter(CommittingWriter):
                  codecs: Mapping[str, str | Codec] | None = None,
                  fence: Fence | None = None,
                  allow_pickle: bool = False) -> None:
-        super().__init__(overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
+        super().__init__(path, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice)
         if threads < 1:
             raise ValueError(f"LocalWriter threads must be >= 1, got {threads}")
-        self.path = os.fspath(path)
         self.threads = threads
         self.fsync = fsync
         self.direct_io = direct_io
         self._bins = threads
         self._slab_parts = workers
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
-        self.path = os.fspath(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -54,9 +54,8 @@ class NFSWriter(CommittingWriter):
                  codecs: Mapping[str, str | Codec] | None = None,
                  export: str | None = None, fence: Fence | None = None,
                  allow_pickle: bool = False) -> None:
-        super().__init__(overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
+        super().__init__(path, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle)
-        self.url = os.fspath(path).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(concurrency=concurrency,
                                   retry=RetryPolicy(max_retries, retry_base_delay,
@@ -64,15 +63,8 @@ class NFSWriter(CommittingWriter):
         self.fsync = fsync
         self.export = export
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
-        self.url = os.fspath(checkpoint_id).rstrip("/")
-
     def _open_store(self) -> ObjectStore:
-        return open_nfs_store(self.url, self.storage_options, self.config,
+        return open_nfs_store(self.path, self.storage_options, self.config,
                               export=self.export, fsync=self.fsync)
 
     @classmethod

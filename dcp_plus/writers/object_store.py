@@ -60,33 +60,25 @@ class ObjectStoreWriter(CommittingWriter):
                  codecs: Mapping[str, str | Codec] | None = None, workers: int = 2,
                  worker_nice: int = DEFAULT_NICE, fence: Fence | None = None,
                  allow_pickle: bool = False) -> None:
-        super().__init__(overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
+        super().__init__(url, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice)
-        self.url = str(url).rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(part_size=part_size, concurrency=concurrency,
                                   retry=RetryPolicy(max_retries, retry_base_delay,
                                                     retry_max_delay))
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.url
-
-    def _set_checkpoint_id(self, checkpoint_id: str | os.PathLike) -> None:
-        self.url = str(checkpoint_id).rstrip("/")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_url(checkpoint_id)
 
     def _open_store(self) -> ObjectStore:
-        return open_store(self.url, self.storage_options, self.config)
+        return open_store(self.path, self.storage_options, self.config)
 
     def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
         # the workers upload side by side: together they keep `concurrency` requests in flight
         side_by_side = min(self.workers, len(files))
         config = dataclasses.replace(
             self.config, concurrency=max(1, self.config.concurrency // side_by_side))
-        return [UploadJob(self.url, self.storage_options, config, fp.name, fp.size,
+        return [UploadJob(self.path, self.storage_options, config, fp.name, fp.size,
                           fp.slab_ranges())
                 for fp in files]
