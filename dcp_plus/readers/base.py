@@ -36,8 +36,8 @@ from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_nam
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import check_extent_bounds, verify_checksum
 from dcp_plus.readers.raw_bytes import deliver_bytesio
-from dcp_plus.storage.objectio import ExtentStore, ObjectStore
-from dcp_plus.storage.urls import CheckpointLocation
+from dcp_plus.storage.location import StoreClient
+from dcp_plus.storage.objectio import ExtentStore
 
 BATCH_BYTES = 64 << 20
 PICKLE_PROTOCOL_BYTE = 0x80
@@ -48,7 +48,7 @@ def describe(index: MetadataIndex) -> str:
     return f"tensor {index.fqn!r}{chunk}"
 
 
-class ExtentReader(CheckpointLocation, StorageReader):
+class ExtentReader(StoreClient, StorageReader):
     """The one dcp_plus reader over a store; a subclass opens its store and names its settings.
 
     Subclasses implement :meth:`_open_store` and :meth:`_stock_reader`. A pickled (stock DCP) record is
@@ -66,20 +66,10 @@ class ExtentReader(CheckpointLocation, StorageReader):
         self.threads = threads
         self.allow_pickle = allow_pickle
         self._stock: StorageReader | None = None
-        self._store_obj: ObjectStore | None = None
         self._extents: dict[MetadataIndex, Extent] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        state["_store_obj"] = None  # reconnects where it is unpickled
-        return state
-
     # -- what a subclass provides -----------------------------------------------------------
-
-    @abc.abstractmethod
-    def _open_store(self) -> ObjectStore:
-        """The store of ``checkpoint_id`` (opened on first use, again after ``close``)."""
 
     @abc.abstractmethod
     def _stock_reader(self) -> StorageReader:
@@ -87,23 +77,14 @@ class ExtentReader(CheckpointLocation, StorageReader):
 
     # -- the store --------------------------------------------------------------------------
 
-    @property
-    def _store(self) -> ObjectStore:
-        if self._store_obj is None:
-            self._store_obj = self._open_store()
-        return self._store_obj
-
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.close()
             self._set_location(checkpoint_id)
         self._stock = None
 
     def close(self) -> None:
         """Release connections and threads (reopened on next use)."""
-        if self._store_obj is not None:
-            self._store_obj.close()
-            self._store_obj = None
+        self._close_store()
 
     def _location(self, name: str) -> str:
         """How messages name data file ``name``."""

@@ -8,7 +8,6 @@ exchanges each rank's extents in O(1) bytes per rank, and commits the record las
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import logging
 import os
@@ -28,8 +27,8 @@ from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
 from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
+from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.objectio import ObjectStore
-from dcp_plus.storage.urls import CheckpointLocation
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.extent_tables import build_extents, collect_extents, write_results
 from dcp_plus.writers.items import resolve_items
@@ -59,7 +58,7 @@ def new_save_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-class CommittingWriter(CheckpointLocation, StorageWriter):
+class CommittingWriter(StoreClient, StorageWriter):
     """Base of the dcp_plus writers; a subclass opens its store and names its settings.
 
     In a multi-rank save each rank stores its extent table next to its data and returns a
@@ -97,20 +96,9 @@ class CommittingWriter(CheckpointLocation, StorageWriter):
         self.save_id = new_save_id()
         self.rank = 0
         self.is_coordinator = True
-        self._store_obj: ObjectStore | None = None
         self._feeder: ThreadPoolExecutor | None = None
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        for name in self._transient:
-            state[name] = None
-        return state
-
     # -- what a subclass provides -----------------------------------------------------------
-
-    @abc.abstractmethod
-    def _open_store(self) -> ObjectStore:
-        """The store of ``checkpoint_id`` (opened on first use, again after ``close``)."""
 
     def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
         """One worker-pool job per slab-backed file; only called for stores that another
@@ -122,15 +110,8 @@ class CommittingWriter(CheckpointLocation, StorageWriter):
 
     # -- StorageWriter ----------------------------------------------------------------------
 
-    @property
-    def _store(self) -> ObjectStore:
-        if self._store_obj is None:
-            self._store_obj = self._open_store()
-        return self._store_obj
-
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.close()
             self._set_location(checkpoint_id)
         self.save_id = new_save_id()
 
@@ -270,9 +251,7 @@ class CommittingWriter(CheckpointLocation, StorageWriter):
         if self._feeder is not None:
             self._feeder.shutdown(wait=True)
             self._feeder = None
-        if self._store_obj is not None:
-            self._store_obj.close()
-            self._store_obj = None
+        self._close_store()
 
 
 def _write_in_process(store: ObjectStore, files: list[FilePlan]) -> dict[int, str]:

@@ -1,0 +1,59 @@
+"""Where a writer or reader points, and the store it opens there."""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Any
+
+from dcp_plus.storage.objectio import ObjectStore
+
+
+def normalize_location(checkpoint_id: str | os.PathLike) -> str:
+    """A checkpoint's directory or URL as writers and readers keep it (no trailing ``/``)."""
+    return os.fspath(checkpoint_id).rstrip("/") or "/"
+
+
+class StoreClient(abc.ABC):
+    """``path`` (a directory or a URL; also ``url`` and DCP's ``checkpoint_id``) and the store
+    open on it: opened on first use, closed by :meth:`close`, reopened after it. The store
+    is never pickled (DCP's PROCESS-mode daemon reconnects)."""
+
+    path: str
+    _store_obj: ObjectStore | None = None
+    _transient: tuple[str, ...] = ("_store_obj",)
+    """Attributes dropped when the object is pickled."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for name in self._transient:
+            state[name] = None
+        return state
+
+    @abc.abstractmethod
+    def _open_store(self) -> ObjectStore:
+        """The store of ``path``."""
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @property
+    def url(self) -> str:
+        return self.path
+
+    @property
+    def _store(self) -> ObjectStore:
+        if self._store_obj is None:
+            self._store_obj = self._open_store()
+        return self._store_obj
+
+    def _set_location(self, checkpoint_id: str | os.PathLike) -> None:
+        """Point at ``checkpoint_id`` (the store of the old location is closed)."""
+        self._close_store()
+        self.path = normalize_location(checkpoint_id)
+
+    def _close_store(self) -> None:
+        if self._store_obj is not None:
+            self._store_obj.close()
+            self._store_obj = None
