@@ -159,6 +159,10 @@ class WorkerPool:
             w.stop()
 
 
+# The one process-wide pool, on purpose: DCP builds a new writer for every save (and a
+# manager, the TorchTitan integration and user code may each hold their own), while worker
+# processes are expensive to start and each maps the stager's slabs once. Writers borrow it;
+# none owns it: ``shutdown_pool`` (also run at exit) is the only thing that stops it.
 _shared: WorkerPool | None = None
 _shared_lock = threading.Lock()
 
