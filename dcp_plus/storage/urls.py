@@ -1,0 +1,14 @@
+"""Telling URLs from local paths."""
+
+from __future__ import annotations
+
+import os
+import re
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # RFC 3986 scheme, then "//"
+
+
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for ``scheme://...`` (``s3://b/k``, ``nfs://h/e``, ``memory://x``), False for a
+    local path (a ``pathlib.Path`` is always local)."""
+    return isinstance(path, str) and _SCHEME.match(path) is not None
