@@ -2,9 +2,10 @@
 
 Requests go to the aiobotocore client that s3fs builds from ``storage_options`` (endpoint,
 credentials, botocore ``config_kwargs``), bypassing s3fs's own retry layer so that the retry
-bound is :class:`~dcp_plus.storage.retry.RetryPolicy`'s (botocore's retry configuration still
-applies beneath it). ``s3fs``'s ``requester_pays`` and ``s3_additional_kwargs`` (e.g. SSE)
-are honoured on the calls that create objects.
+bound is :class:`~dcp_plus.storage.retry.RetryPolicy`'s, with
+:data:`~dcp_plus.storage.http_errors.HTTP_ERRORS` telling which errors to retry (botocore's
+retry configuration still applies beneath it). ``s3fs``'s ``requester_pays`` and
+``s3_additional_kwargs`` (e.g. SSE) are honoured on the calls that create objects.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-from dcp_plus.storage.objectio import (
+from dcp_plus.storage.http_errors import HTTP_ERRORS, error_status
+from dcp_plus.storage.ranged import (
     MIN_PART_SIZE,
     ExtentFill,
     RangeRequest,
@@ -29,7 +31,7 @@ from dcp_plus.storage.objectio import (
     part_bounds,
     plan_requests,
 )
-from dcp_plus.storage.retry import error_status, retry_async
+from dcp_plus.storage.retry import Retry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -114,6 +116,7 @@ class S3Store(ReadsByExtents):
         self.url = url.rstrip("/")
         self.config = config
         self._sem: asyncio.Semaphore | None = None
+        self._retry = Retry(config.retry, HTTP_ERRORS)
         self._create_kw = {**fs.s3_additional_kwargs, **fs.req_kw}
 
     def key(self, name: str) -> str:
@@ -135,7 +138,7 @@ class S3Store(ReadsByExtents):
         async def attempt(n: int) -> T:
             async with sem:
                 return await fn(client, n)
-        return await retry_async(attempt, self.config.retry, what)
+        return await self._retry.acall(attempt, what)
 
     async def _call(self, what: str, method: str, **kwargs: Any) -> Any:
         return await self._request(
