@@ -96,9 +96,15 @@ async def _read_into(body: Any, views: list[memoryview]) -> int:
     return total
 
 
-def _is_missing(exc: BaseException) -> bool:
-    status, code = error_status(exc)
-    return status == 404 or code in ("NoSuchKey", "404", "NotFound")
+async def _unless_missing(request: Awaitable[Any]) -> Any:
+    """The response to ``request``, or None if the object does not exist."""
+    try:
+        return await request
+    except Exception as e:
+        status, code = error_status(e)
+        if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise
 
 
 class S3Store(ReadsByExtents):
@@ -149,14 +155,9 @@ class S3Store(ReadsByExtents):
     def sizes(self, names: Sequence[str]) -> dict[str, int | None]:
         async def size(name: str) -> int | None:
             async def head(client: Any, _: int) -> int | None:
-                try:
-                    resp = await client.head_object(Bucket=self.bucket, Key=self.key(name),
-                                                    **self.fs.req_kw)
-                except Exception as e:
-                    if _is_missing(e):
-                        return None
-                    raise
-                return int(resp["ContentLength"])
+                resp = await _unless_missing(client.head_object(
+                    Bucket=self.bucket, Key=self.key(name), **self.fs.req_kw))
+                return None if resp is None else int(resp["ContentLength"])
             return await self._request(f"HEAD {self.location(name)}", head)
 
         async def run() -> list[int | None]:
@@ -164,13 +165,10 @@ class S3Store(ReadsByExtents):
         return dict(zip(names, self._run(run), strict=True))
 
     async def _get(self, client: Any, name: str) -> bytes | None:
-        try:
-            resp = await client.get_object(Bucket=self.bucket, Key=self.key(name),
-                                           **self.fs.req_kw)
-        except Exception as e:
-            if _is_missing(e):
-                return None
-            raise
+        resp = await _unless_missing(client.get_object(Bucket=self.bucket, Key=self.key(name),
+                                                       **self.fs.req_kw))
+        if resp is None:
+            return None
         async with resp["Body"] as body:
             check_small(self.location(name), int(resp.get("ContentLength") or 0))
             return bytes(await body.read())
