@@ -36,6 +36,7 @@ from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_nam
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import check_extent_bounds, verify_checksum
 from dcp_plus.readers.raw_bytes import deliver_bytesio
+from dcp_plus.storage.fanout import fan_out
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.objectio import ExtentStore
 
@@ -191,10 +192,7 @@ class ExtentReader(StoreClient, StorageReader):
             if batch:
                 batches.append((name, batch))
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-read") as pool:
-            futures = [pool.submit(self._read_batch, name, b, by_extent, planner)
-                       for name, b in batches]
-            for f in futures:
-                f.result()
+            fan_out(lambda batch: self._read_batch(*batch, by_extent, planner), batches, pool)
 
     def _read_pipelined(self, store: ExtentStore,
                         by_extent: dict[MetadataIndex, list[ReadItem]],

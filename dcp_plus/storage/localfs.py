@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 
 from dcp_plus.format.layout import MAX_RECORD_BYTES
+from dcp_plus.storage.fanout import Threads
 from dcp_plus.storage.fileio import (
     atomic_create,
     atomic_write,
@@ -18,7 +18,7 @@ from dcp_plus.storage.fileio import (
     read_coalesced,
     read_regular,
 )
-from dcp_plus.storage.objectio import Segments
+from dcp_plus.storage.ranged import Segments
 
 
 class LocalFileStore:
@@ -36,7 +36,7 @@ class LocalFileStore:
         self.root = root
         self.fsync = fsync
         self.threads = threads
-        self._pool: ThreadPoolExecutor | None = None
+        self._threads = Threads(threads, "dcpp-write")
 
     def location(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -89,16 +89,7 @@ class LocalFileStore:
     def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
         """Write each file's segments at their offsets (files made by :meth:`create` are
         written in place, others created), then fsync it; up to ``threads`` files at once."""
-        if len(objects) <= 1 or self.threads <= 1:
-            for obj in objects:
-                self._write_file(*obj)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-write")
-        futures = [self._pool.submit(self._write_file, *obj) for obj in objects]
-        wait(futures)  # no thread may still write when this returns or raises
-        for f in futures:
-            f.result()
+        self._threads.map(lambda obj: self._write_file(*obj), objects)
 
     def _write_file(self, name: str, segments: Segments, size: int) -> None:
         fd = os.open(self.location(name), os.O_WRONLY | os.O_CREAT, 0o644)
@@ -136,6 +127,4 @@ class LocalFileStore:
 
     def close(self) -> None:
         """Join the upload threads (no file is held open between operations)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._threads.close()

@@ -1,13 +1,16 @@
-"""Bounded retries with exponential backoff and full jitter for remote storage requests.
+"""One bounded retry loop, with exponential backoff and full jitter, for every store.
 
-Retried: throttling (429, ``SlowDown``...), server errors (5xx) and transport failures
-(connection refused/reset, timeouts, truncated responses). Everything else (403, 404, bad
-requests) fails at once. botocore and aiohttp are imported only if installed.
+Which errors are worth a retry depends on the store: each supplies an :class:`ErrorKinds`
+(HTTP stores: :data:`~dcp_plus.storage.http_errors.HTTP_ERRORS`, file systems:
+:data:`~dcp_plus.storage.nfs_errors.NFS_ERRORS`). :class:`Retry` binds it to a
+:class:`RetryPolicy` and runs blocking (:meth:`Retry.call`) or async (:meth:`Retry.acall`)
+attempts with the same bookkeeping.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import time
@@ -20,55 +23,34 @@ from dcp_plus.errors import StorageError
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-THROTTLE_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests",
-    "RequestThrottled", "ServiceUnavailable", "InternalError", "RequestTimeout",
-    "RequestTimeoutException", "PriorRequestNotComplete", "503", "500", "502", "504",
-})
+
+class Verdict(enum.Enum):
+    """What a failed attempt's error means."""
+
+    RETRY = "retry"  # transient: retried, then a StorageError once the retries are spent
+    FAIL = "fail"  # a failed request no retry cures: a StorageError at once
+    RAISE = "raise"  # not a failed request (EOFError, FileNotFoundError...): raised as it is
 
 
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    kinds: list[type[BaseException]] = [ConnectionError, TimeoutError, asyncio.TimeoutError]
-    try:
-        from botocore import exceptions as be
-
-        kinds += [getattr(be, n) for n in ("HTTPClientError", "ConnectionError",
-                                           "IncompleteReadError", "ResponseStreamingError")
-                  if hasattr(be, n)]
-    except ImportError:
-        pass
-    try:
-        import aiohttp
-
-        kinds += [aiohttp.ClientConnectionError, aiohttp.ClientPayloadError]
-    except ImportError:
-        pass
-    return tuple(kinds)
+def _no_detail(exc: BaseException) -> str:
+    return ""
 
 
-_TRANSPORT: tuple[type[BaseException], ...] | None = None
+@dataclass(frozen=True)
+class ErrorKinds:
+    """A store's reading of its errors.
 
+    Attributes:
+        classify: the :class:`Verdict` on an error.
+        describe: the error in a log line or message, e.g. ``OSError (ESTALE): ...``.
+        hint: appended to the final error when a retryable error persisted.
+        detail: put right after "failed after N attempt(s)", e.g. `` (HTTP 503 SlowDown)``.
+    """
 
-def error_status(exc: BaseException) -> tuple[int | None, str | None]:
-    """HTTP status and S3 error code of a botocore ``ClientError``-like exception."""
-    response = getattr(exc, "response", None)
-    if not isinstance(response, dict):
-        return None, None
-    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-    code = response.get("Error", {}).get("Code")
-    return (status if isinstance(status, int) else None), (str(code) if code else None)
-
-
-def is_retryable(exc: BaseException) -> bool:
-    """True for throttling, 5xx and transport errors; False for everything else."""
-    global _TRANSPORT
-    if _TRANSPORT is None:
-        _TRANSPORT = _transport_errors()
-    status, code = error_status(exc)
-    if status is not None or code is not None:
-        return (status is not None and (status >= 500 or status == 429)) or (
-            code in THROTTLE_CODES)
-    return isinstance(exc, _TRANSPORT)
+    classify: Callable[[BaseException], Verdict]
+    describe: Callable[[BaseException], str]
+    hint: str
+    detail: Callable[[BaseException], str] = _no_detail
 
 
 @dataclass(frozen=True)
@@ -93,53 +75,52 @@ class RetryPolicy:
         """Full-jitter backoff before retry number ``attempt`` (0-based)."""
         return random.uniform(0, min(self.max_delay, self.base_delay * (2 ** attempt)))
 
-    def give_up(self, what: str, exc: BaseException, attempts: int) -> StorageError:
-        status, code = error_status(exc)
-        detail = f" (HTTP {status} {code})" if status or code else ""
-        hint = ("; the store kept failing (throttling, server errors or connection failures): "
-                "check that the endpoint is up and reachable, or raise max_retries"
-                if is_retryable(exc) else "")
-        err = StorageError(f"{what} failed after {attempts} attempt(s){detail}: "
-                           f"{type(exc).__name__}: {exc}{hint}")
-        return err
 
+@dataclass(frozen=True)
+class Retry:
+    """Attempts of one request, retried per ``policy`` while ``errors`` says so.
 
-async def retry_async(fn: Callable[[int], Awaitable[T]], policy: RetryPolicy, what: str) -> T:
-    """Await ``fn(attempt)`` until it succeeds, a non-retryable error occurs, or retries run out.
-
-    Raises:
-        StorageError: naming ``what``, the attempts made and the last error, for a request
-            that failed with an HTTP error or kept failing; other exceptions pass unchanged.
+    ``fn(attempt)`` (``attempt`` counts from 0) runs until it returns or fails for good:
+    a :attr:`Verdict.RAISE` error is raised as it is; a :attr:`Verdict.FAIL` error, or a
+    :attr:`Verdict.RETRY` error after ``policy.max_retries`` retries, becomes a
+    :class:`~dcp_plus.errors.StorageError` naming the request, the attempts and the error.
     """
-    attempt = 0
-    while True:
-        try:
-            return await fn(attempt)
-        except Exception as e:
-            if not is_retryable(e) and error_status(e) == (None, None):
-                raise  # not a failed request (e.g. EOFError, FileNotFoundError): as it is
-            if not is_retryable(e) or attempt >= policy.max_retries:
-                raise policy.give_up(what, e, attempt + 1) from e
-            delay = policy.delay(attempt)
-            log.info("%s: %s: %s; retry %d/%d in %.2fs", what, type(e).__name__, e,
-                     attempt + 1, policy.max_retries, delay)
-            await asyncio.sleep(delay)
+
+    policy: RetryPolicy
+    errors: ErrorKinds
+
+    def call(self, fn: Callable[[int], T], what: str) -> T:
+        """Run blocking attempts, sleeping between them."""
+        attempt = 0
+        while True:
+            try:
+                return fn(attempt)
+            except Exception as e:
+                time.sleep(self._backoff(what, e, attempt))
             attempt += 1
 
-
-def retry_sync(fn: Callable[[int], T], policy: RetryPolicy, what: str) -> T:
-    """The blocking form of :func:`retry_async`."""
-    attempt = 0
-    while True:
-        try:
-            return fn(attempt)
-        except Exception as e:
-            if not is_retryable(e) and error_status(e) == (None, None):
-                raise  # not a failed request (e.g. EOFError, FileNotFoundError): as it is
-            if not is_retryable(e) or attempt >= policy.max_retries:
-                raise policy.give_up(what, e, attempt + 1) from e
-            delay = policy.delay(attempt)
-            log.info("%s: %s: %s; retry %d/%d in %.2fs", what, type(e).__name__, e,
-                     attempt + 1, policy.max_retries, delay)
-            time.sleep(delay)
+    async def acall(self, fn: Callable[[int], Awaitable[T]], what: str) -> T:
+        """Await attempts, sleeping on the event loop between them."""
+        attempt = 0
+        while True:
+            try:
+                return await fn(attempt)
+            except Exception as e:
+                await asyncio.sleep(self._backoff(what, e, attempt))
             attempt += 1
+
+    def _backoff(self, what: str, exc: Exception, attempt: int) -> float:
+        """The delay before retrying after attempt ``attempt`` failed with ``exc``, or the
+        error to raise instead."""
+        verdict = self.errors.classify(exc)
+        if verdict is Verdict.RAISE:
+            raise exc
+        if verdict is Verdict.FAIL or attempt >= self.policy.max_retries:
+            hint = self.errors.hint if verdict is Verdict.RETRY else ""
+            raise StorageError(
+                f"{what} failed after {attempt + 1} attempt(s){self.errors.detail(exc)}: "
+                f"{self.errors.describe(exc)}{hint}") from exc
+        delay = self.policy.delay(attempt)
+        log.info("%s: %s; retry %d/%d in %.2fs", what, self.errors.describe(exc), attempt + 1,
+                 self.policy.max_retries, delay)
+        return delay

@@ -2,9 +2,10 @@
 
 Requests go to the aiobotocore client that s3fs builds from ``storage_options`` (endpoint,
 credentials, botocore ``config_kwargs``), bypassing s3fs's own retry layer so that the retry
-bound is :class:`~dcp_plus.storage.retry.RetryPolicy`'s (botocore's retry configuration still
-applies beneath it). ``s3fs``'s ``requester_pays`` and ``s3_additional_kwargs`` (e.g. SSE)
-are honoured on the calls that create objects.
+bound is :class:`~dcp_plus.storage.retry.RetryPolicy`'s, with
+:data:`~dcp_plus.storage.http_errors.HTTP_ERRORS` telling which errors to retry (botocore's
+retry configuration still applies beneath it). ``s3fs``'s ``requester_pays`` and
+``s3_additional_kwargs`` (e.g. SSE) are honoured on the calls that create objects.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any, TypeVar
 
 from fsspec.asyn import sync
 
-from dcp_plus.storage.objectio import (
+from dcp_plus.storage.http_errors import HTTP_ERRORS, error_status
+from dcp_plus.storage.ranged import (
     MIN_PART_SIZE,
     ExtentFill,
     RangeRequest,
@@ -29,7 +31,7 @@ from dcp_plus.storage.objectio import (
     part_bounds,
     plan_requests,
 )
-from dcp_plus.storage.retry import error_status, retry_async
+from dcp_plus.storage.retry import Retry
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,9 +96,15 @@ async def _read_into(body: Any, views: list[memoryview]) -> int:
     return total
 
 
-def _is_missing(exc: BaseException) -> bool:
-    status, code = error_status(exc)
-    return status == 404 or code in ("NoSuchKey", "404", "NotFound")
+async def _unless_missing(request: Awaitable[Any]) -> Any:
+    """The response to ``request``, or None if the object does not exist."""
+    try:
+        return await request
+    except Exception as e:
+        status, code = error_status(e)
+        if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise
 
 
 class S3Store(ReadsByExtents):
@@ -114,6 +122,7 @@ class S3Store(ReadsByExtents):
         self.url = url.rstrip("/")
         self.config = config
         self._sem: asyncio.Semaphore | None = None
+        self._retry = Retry(config.retry, HTTP_ERRORS)
         self._create_kw = {**fs.s3_additional_kwargs, **fs.req_kw}
 
     def key(self, name: str) -> str:
@@ -135,7 +144,7 @@ class S3Store(ReadsByExtents):
         async def attempt(n: int) -> T:
             async with sem:
                 return await fn(client, n)
-        return await retry_async(attempt, self.config.retry, what)
+        return await self._retry.acall(attempt, what)
 
     async def _call(self, what: str, method: str, **kwargs: Any) -> Any:
         return await self._request(
@@ -146,14 +155,9 @@ class S3Store(ReadsByExtents):
     def sizes(self, names: Sequence[str]) -> dict[str, int | None]:
         async def size(name: str) -> int | None:
             async def head(client: Any, _: int) -> int | None:
-                try:
-                    resp = await client.head_object(Bucket=self.bucket, Key=self.key(name),
-                                                    **self.fs.req_kw)
-                except Exception as e:
-                    if _is_missing(e):
-                        return None
-                    raise
-                return int(resp["ContentLength"])
+                resp = await _unless_missing(client.head_object(
+                    Bucket=self.bucket, Key=self.key(name), **self.fs.req_kw))
+                return None if resp is None else int(resp["ContentLength"])
             return await self._request(f"HEAD {self.location(name)}", head)
 
         async def run() -> list[int | None]:
@@ -161,13 +165,10 @@ class S3Store(ReadsByExtents):
         return dict(zip(names, self._run(run), strict=True))
 
     async def _get(self, client: Any, name: str) -> bytes | None:
-        try:
-            resp = await client.get_object(Bucket=self.bucket, Key=self.key(name),
-                                           **self.fs.req_kw)
-        except Exception as e:
-            if _is_missing(e):
-                return None
-            raise
+        resp = await _unless_missing(client.get_object(Bucket=self.bucket, Key=self.key(name),
+                                                       **self.fs.req_kw))
+        if resp is None:
+            return None
         async with resp["Body"] as body:
             check_small(self.location(name), int(resp.get("ContentLength") or 0))
             return bytes(await body.read())

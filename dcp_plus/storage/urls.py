@@ -1,14 +1,19 @@
-"""URL helpers shared by every layer."""
+"""Telling URLs from local paths."""
 
 from __future__ import annotations
 
 import os
+import re
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # RFC 3986 scheme, then "//"
 
 
-def is_url(path: str | os.PathLike) -> bool:
-    return "://" in str(path)
+def is_url(path: str | os.PathLike[str]) -> bool:
+    """True for ``scheme://...`` (``s3://b/k``, ``nfs://h/e``, ``memory://x``), False for a
+    local path (a ``pathlib.Path`` is always local)."""
+    return isinstance(path, str) and _SCHEME.match(path) is not None
 
 
-def is_nfs_target(target: str | os.PathLike) -> bool:
+def is_nfs_target(target: str | os.PathLike[str]) -> bool:
     """A mounted path (no URL scheme) or an ``nfs://`` URL."""
     return str(target).startswith("nfs://") or not is_url(target)

@@ -13,7 +13,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -189,7 +189,7 @@ class CommittingWriter(StoreClient, StorageWriter):
             sums = checksums_by_item(in_workers,
                                      shared_pool(self.workers, self.worker_nice).run(jobs))
         finally:
-            pending.exception()  # no thread may still write when this returns or raises
+            wait([pending])  # no thread may still write when this returns or raises
         sums.update(pending.result())
         return sums
 

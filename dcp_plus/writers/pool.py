@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 from dcp_plus.errors import ClosedError, WorkerError
+from dcp_plus.storage.fanout import gather
 from dcp_plus.writers.worker import Job
 
 log = logging.getLogger(__name__)
@@ -142,12 +143,7 @@ class WorkerPool:
         """
         if self._closed:
             raise ClosedError("the writer worker pool is shut down")
-        futures = [self._threads.submit(self._run_one, j) for j in jobs]
-        errors = [f.exception() for f in futures]
-        for e in errors:
-            if e is not None:
-                raise e
-        return [f.result() for f in futures]
+        return gather([self._threads.submit(self._run_one, j) for j in jobs])
 
     def close(self) -> None:
         """Stop every worker and join the feeding threads. Idempotent."""

@@ -28,15 +28,11 @@ from dcp_plus import (
     StorageError,
 )
 from dcp_plus.readers import latest_committed, list_committed
-from dcp_plus.storage.nfsio import (
-    FileStore,
-    is_nfs_retryable,
-    join_target,
-    retry_io,
-    split_nfs_url,
-)
-from dcp_plus.storage.objectio import StoreConfig
-from dcp_plus.storage.retry import RetryPolicy
+from dcp_plus.storage.dirstore import FileStore
+from dcp_plus.storage.nfs_errors import NFS_ERRORS, is_nfs_retryable
+from dcp_plus.storage.nfsio import join_target, split_nfs_url
+from dcp_plus.storage.ranged import StoreConfig
+from dcp_plus.storage.retry import Retry, RetryPolicy
 from tests.conftest import assert_bit_exact, build_state_dict, flip_byte, load_target
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -241,7 +237,7 @@ def test_retry_io_stops_at_the_bound() -> None:
         attempts.append(n)
         raise OSError(errno.ESTALE, "Stale file handle")
     with pytest.raises(StorageError, match=r"read of x failed after 4 attempt\(s\).*ESTALE"):
-        retry_io(always_stale, StoreConfig(retry=RetryPolicy(3, 0.0)), "read of x")
+        Retry(RetryPolicy(3, 0.0), NFS_ERRORS).call(always_stale, "read of x")
     assert attempts == [0, 1, 2, 3]
 
 

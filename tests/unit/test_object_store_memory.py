@@ -22,15 +22,10 @@ from dcp_plus import (
     StorageError,
 )
 from dcp_plus.format.codecs import ZstdCodec, get_codec
-from dcp_plus.storage.objectio import (
-    ExtentFill,
-    StoreConfig,
-    assemble,
-    open_store,
-    part_bounds,
-    plan_requests,
-)
-from dcp_plus.storage.retry import RetryPolicy, is_retryable, retry_sync
+from dcp_plus.storage.http_errors import HTTP_ERRORS, is_retryable
+from dcp_plus.storage.objectio import open_store
+from dcp_plus.storage.ranged import ExtentFill, StoreConfig, assemble, part_bounds, plan_requests
+from dcp_plus.storage.retry import Retry, RetryPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 KiB, MiB = 1 << 10, 1 << 20
@@ -235,7 +230,7 @@ def test_retry_recovers_from_transient_errors_within_the_bound() -> None:
             raise failures.pop(0)
         return f"ok after {attempt}"
 
-    assert retry_sync(flaky, RetryPolicy(2, 0.001, 0.001), "GET x") == "ok after 2"
+    assert Retry(RetryPolicy(2, 0.001, 0.001), HTTP_ERRORS).call(flaky, "GET x") == "ok after 2"
 
 
 def test_retry_gives_up_after_max_retries_naming_the_request() -> None:
@@ -246,7 +241,7 @@ def test_retry_gives_up_after_max_retries_naming_the_request() -> None:
         raise ConnectionRefusedError("connection refused")
 
     with pytest.raises(StorageError, match=r"GET s3://b/k failed after 4 attempt\(s\)"):
-        retry_sync(down, RetryPolicy(3, 0.001, 0.001), "GET s3://b/k")
+        Retry(RetryPolicy(3, 0.001, 0.001), HTTP_ERRORS).call(down, "GET s3://b/k")
     assert calls == [0, 1, 2, 3]
 
 
@@ -258,7 +253,7 @@ def test_non_request_errors_are_not_retried() -> None:
         raise FileNotFoundError("no such object")
 
     with pytest.raises(FileNotFoundError):
-        retry_sync(missing, RetryPolicy(3, 0.001, 0.001), "GET x")
+        Retry(RetryPolicy(3, 0.001, 0.001), HTTP_ERRORS).call(missing, "GET x")
     assert calls == [0]
     assert not is_retryable(PermissionError("denied"))
 

@@ -1,0 +1,62 @@
+"""Fan calls out to threads and raise the first error once every call has ended."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from typing import Any, Protocol, TypeVar
+
+A = TypeVar("A")
+T = TypeVar("T")
+
+
+class Submitter(Protocol):
+    """What :func:`fan_out` needs of a pool: ``concurrent.futures.Executor`` or
+    :class:`Threads`."""
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]: ...
+
+
+def gather(futures: Sequence[Future[T]]) -> list[T]:
+    """Wait for every future; raise the first failed one's error (in order), else return
+    their results in order. No call is still running when this returns or raises."""
+    wait_all(futures)
+    for f in futures:
+        e = f.exception()
+        if e is not None:
+            raise e
+    return [f.result() for f in futures]
+
+
+def fan_out(fn: Callable[[A], T], items: Sequence[A], pool: Submitter) -> list[T]:
+    """``[fn(x) for x in items]``, the calls run in parallel on ``pool``; see :func:`gather`.
+
+    With one item or none, the call runs on the calling thread (no pool thread is used).
+    """
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    return gather([pool.submit(fn, x) for x in items])
+
+
+class Threads:
+    """A thread pool started on first use; :meth:`close` joins it (reopened on next use)."""
+
+    def __init__(self, size: int, name: str) -> None:
+        self.size = size
+        self.name = name
+        self._pool: ThreadPoolExecutor | None = None
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.size, thread_name_prefix=self.name)
+        return self._pool.submit(fn, *args)
+
+    def map(self, fn: Callable[[A], T], items: Sequence[A]) -> list[T]:
+        """:func:`fan_out` on these threads."""
+        return fan_out(fn, items, self)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

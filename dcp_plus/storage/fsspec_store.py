@@ -1,0 +1,150 @@
+"""Any fsspec filesystem as an object store: threads over the generic fsspec API."""
+
+from __future__ import annotations
+
+import posixpath
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as wait_all
+from typing import Any
+
+from dcp_plus.storage.fanout import Threads, gather
+from dcp_plus.storage.http_errors import HTTP_ERRORS
+from dcp_plus.storage.ranged import (
+    ExtentFill,
+    RangeRequest,
+    ReadsByExtents,
+    Segments,
+    StoreConfig,
+    assemble,
+    check_small,
+    fill,
+    part_bounds,
+    plan_requests,
+)
+from dcp_plus.storage.retry import Retry
+
+
+class FsspecStore(ReadsByExtents):
+    """Any fsspec filesystem: objects written as streams, ranges read with ``cat_file``."""
+
+    uploads_from_any_process = False  # kept in-process: memory:// is per process
+
+    def __init__(self, fs: Any, root: str, url: str, config: StoreConfig) -> None:
+        self.fs = fs
+        self.root = root.rstrip("/")
+        self.url = url.rstrip("/")
+        self.config = config
+        self._threads = Threads(config.concurrency, "dcpp-objio")
+        self._retry = Retry(config.retry, HTTP_ERRORS)
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def location(self, name: str) -> str:
+        return f"{self.url}/{name}"
+
+    def sizes(self, names: Sequence[str]) -> dict[str, int | None]:
+        def size(name: str) -> int | None:
+            def attempt(_: int) -> int | None:
+                try:
+                    return int(self.fs.size(self._path(name)))
+                except FileNotFoundError:
+                    return None
+            return self._retry.call(attempt, f"size of {self.location(name)}")
+        return dict(zip(names, self._threads.map(size, list(names)), strict=True))
+
+    def get(self, name: str) -> bytes | None:
+        def attempt(_: int) -> bytes | None:
+            try:
+                check_small(self.location(name), int(self.fs.size(self._path(name))))
+                return bytes(self.fs.cat_file(self._path(name)))
+            except FileNotFoundError:
+                return None
+        return self._retry.call(attempt, f"GET {self.location(name)}")
+
+    def put(self, name: str, data: bytes, *, if_absent: bool) -> bool:
+        # Generic filesystems have no conditional create: check, then write.
+        if if_absent and self.sizes([name])[name] is not None:
+            return False
+        self._ensure_root()
+        self._retry.call(lambda _: self.fs.pipe_file(self._path(name), data),
+                    f"PUT {self.location(name)}")
+        return True
+
+    def _ensure_root(self) -> None:
+        # Directory-backed filesystems need the directory; object stores have none.
+        if not getattr(self.fs, "async_impl", False):
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
+        self._ensure_root()
+
+        def one(obj: tuple[str, Segments, int]) -> None:
+            name, segments, total = obj
+            starts = [off for off, _ in segments]
+            bounds = part_bounds(total, self.config.part_size)
+
+            def attempt(_: int) -> None:
+                with self.fs.open(self._path(name), "wb") as f:
+                    for a, b in bounds:
+                        f.write(assemble(segments, starts, a, b))
+            self._retry.call(attempt, f"upload of {self.location(name)}")
+        self._threads.map(one, list(objects))
+
+    def read_extents(self, extents: Sequence[tuple[str, int, int]],
+                     open_extent: Callable[[int], memoryview], done: Callable[[int], None],
+                     executor: Executor | None = None) -> None:
+        requests = plan_requests(extents, self.config.coalesce_gap, self.config.range_size)
+        book = ExtentFill(requests, open_extent)
+        window = threading.Semaphore(self.config.concurrency)  # == the pool's threads
+        failed = threading.Event()
+
+        def deliver(ks: list[int]) -> None:
+            for k in ks:
+                done(k)
+
+        def one(req: RangeRequest, views: list[memoryview]) -> None:
+            try:
+                what, end = self.location(req.name), req.start + req.length
+
+                def attempt(_: int) -> None:
+                    fill(views, self.fs.cat_file(self._path(req.name), req.start, end), what)
+                self._retry.call(attempt, f"GET {what} bytes {req.start}..{end}")
+                finished = book.finished(req)
+                if executor is None:
+                    deliver(finished)
+                elif finished:
+                    executor.submit(deliver, finished).result()
+            except BaseException:
+                failed.set()
+                raise
+            finally:  # the slot covers delivery too: buffers never pile up
+                window.release()
+
+        futures: list[Future[None]] = []
+        try:
+            for req in requests:
+                window.acquire()
+                if failed.is_set():
+                    break
+                futures.append(self._threads.submit(one, req, book.views(req)))
+        except BaseException:
+            wait_all(futures)  # no request may still fill a buffer when this raises
+            raise
+        gather(futures)
+
+    def list(self) -> list[str]:
+        try:
+            paths = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return [posixpath.basename(p.rstrip("/")) for p in paths]
+
+    def delete(self, names: Sequence[str]) -> None:
+        if names:
+            self.fs.rm([self._path(n) for n in names])
+
+    def close(self) -> None:
+        self._threads.close()
