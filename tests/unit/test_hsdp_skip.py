@@ -235,10 +235,11 @@ def test_a_save_without_the_check_turns_skipping_off_for_good(
 
 
 def test_process_executor_is_detected_and_never_skipped() -> None:
-    # stage() called from a function DCP's async_save would be, with the PROCESS executor
-    ns: dict[str, Any] = {"__name__": "torch.distributed.checkpoint.state_dict_saver"}
+    # the executor kind a caller of DCP's async_save passes on to the stager
+    ns: dict[str, Any] = {}
     exec(
         "def async_save(stager, sd, async_checkpointer_type):\n"
+        "    stager.executor = async_checkpointer_type.name.lower()\n"
         "    return stager.stage(sd)\n",
         ns,
     )
