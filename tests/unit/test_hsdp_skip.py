@@ -275,3 +275,21 @@ def test_structure_change_on_this_rank_copies_everything() -> None:
         assert stager.wait_persisted(5)
         stager.stage(sd).result()
         assert stager.last_skipped_bytes == 4 * 3000
+
+
+def test_a_pickled_staged_dict_turns_skipping_off_by_default() -> None:
+    sd, stub = _sd(), Stub()
+    stub.skip = frozenset({"model.b"})
+    with ArenaStager(skip_unwritten=stub) as stager:
+        staged = stager.stage(sd).result()
+        pickle.dumps(staged)  # no stale views yet: it pickles (DCP's PROCESS executor would)
+        del staged
+        assert stager.wait_persisted(5)
+        asked = len(stub.asked)
+        stager.stage(sd).result()
+        assert stager.last_skipped_bytes == 0 and len(stub.asked) == asked
+
+
+def test_executor_kind_is_checked() -> None:
+    with pytest.raises(ValueError, match="'thread', 'process', 'other'"):
+        ArenaStager(executor="threads")  # type: ignore[arg-type]
