@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dcp_plus.errors import DcpPlusError, StagingError
@@ -45,25 +45,17 @@ class CopyStats:
     copy_s: float = 0.0
 
 
+@dataclass
 class Snapshotter:
     """Runs :class:`Job` s for one stager (its lock ``cond``, arenas, pool, skip and holds)."""
 
-    def __init__(
-        self,
-        cond: threading.Condition,
-        arenas: ArenaSet,
-        pool: SlabPool,
-        skip: SkipControl,
-        holds: Holds,
-        engine: CopyEngine,
-    ) -> None:
-        self._cond = cond
-        self._arenas = arenas
-        self._pool = pool
-        self._skip = skip
-        self._holds = holds
-        self._engine = engine
-        self.stats = CopyStats()
+    _cond: threading.Condition
+    _arenas: ArenaSet
+    _pool: SlabPool
+    _skip: SkipControl
+    _holds: Holds
+    _engine: CopyEngine
+    stats: CopyStats = field(default_factory=CopyStats)
 
     def run(self, job: Job) -> None:
         """Driver thread: pick the arena buffer, copy, resolve the future."""

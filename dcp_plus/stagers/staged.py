@@ -73,19 +73,28 @@ class SlabTensorRef:
     shape: tuple[int, ...]
 
 
-def _encode(value: Any) -> Any:
+def _walk(value: Any, leaf: Callable[[Any], Any], is_map: Callable[[Any], bool]) -> Any:
+    """``value`` with its dicts (``is_map``), lists and tuples rebuilt and ``leaf`` applied
+    to everything else."""
+    if is_map(value):
+        return {k: _walk(v, leaf, is_map) for k, v in value.items()}
+    if type(value) is list:
+        return [_walk(v, leaf, is_map) for v in value]
+    if type(value) is tuple:
+        return tuple(_walk(v, leaf, is_map) for v in value)
+    return leaf(value)
+
+
+def _encode_leaf(value: Any) -> Any:
     if type(value) is torch.Tensor:
         ref = registry.lookup(value)
         if ref is not None:
             return SlabTensorRef(ref.slab, ref.offset, value.dtype, tuple(value.shape))
-        return value
-    if isinstance(value, Mapping):
-        return {k: _encode(v) for k, v in value.items()}
-    if type(value) is list:
-        return [_encode(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_encode(v) for v in value)
     return value
+
+
+def _encode(value: Any) -> Any:
+    return _walk(value, _encode_leaf, lambda v: isinstance(v, Mapping))
 
 
 # The process-wide map of slabs this process has mapped by name. Process-wide because the
@@ -117,21 +126,19 @@ def attached_slab_names() -> list[str]:
         return list(_attached)
 
 
+def _decode_leaf(value: Any) -> Any:
+    if not isinstance(value, SlabTensorRef):
+        return value
+    base = _attach(value.slab)
+    numel = 1
+    for d in value.shape:
+        numel *= d
+    nbytes = numel * value.dtype.itemsize
+    return base[value.offset : value.offset + nbytes].view(value.dtype).view(value.shape)
+
+
 def _decode(value: Any) -> Any:
-    if isinstance(value, SlabTensorRef):
-        base = _attach(value.slab)
-        numel = 1
-        for d in value.shape:
-            numel *= d
-        nbytes = numel * value.dtype.itemsize
-        return base[value.offset : value.offset + nbytes].view(value.dtype).view(value.shape)
-    if type(value) is dict:
-        return {k: _decode(v) for k, v in value.items()}
-    if type(value) is list:
-        return [_decode(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_decode(v) for v in value)
-    return value
+    return _walk(value, _decode_leaf, lambda v: type(v) is dict)
 
 
 def _rebuild(encoded: dict[str, Any]) -> dict[str, Any]:
