@@ -101,4 +101,8 @@ def _ptr(value: object) -> int | None:
 
 
 stale_views = StaleViews()
-"""The process-wide record that stagers fill and ``CachedSavePlanner`` consults."""
+"""The one process-wide record: stagers fill it, ``CachedSavePlanner`` consults it.
+
+Process-wide on purpose: DCP hands a planner only the (re-wrapped, flattened) state dict, never
+the stager that staged it, and every planner that may save a snapshot must check it (also one
+not bound to the stager), so the record is found by buffer and address, not passed."""

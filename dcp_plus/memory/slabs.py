@@ -149,7 +149,11 @@ class SlabRegistry:
 
 
 registry = SlabRegistry()
-"""The process-wide registry that stagers fill and writers consult."""
+"""The one process-wide registry: stagers (and slabs mapped by name) fill it, writers consult it.
+
+Process-wide on purpose: a writer gets only tensors from DCP (no link to the stager that staged
+them), so it must find the slab behind any address whichever stager or unpickled staged dict in
+this process registered it."""
 
 
 def remove_orphans() -> list[str]:

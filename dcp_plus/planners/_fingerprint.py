@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import sys
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any
 
 import torch
@@ -28,7 +26,6 @@ from torch.distributed.tensor import DTensor
 DIGEST_SIZE = 16
 """Bytes in every digest (blake2b-128): collisions are not a practical concern."""
 
-_SAVER_MODULE = "torch.distributed.checkpoint.state_dict_saver"
 _SIMPLE = (bool, int, float, str, type(None), enum.Enum)
 # Writer attributes whose value changes from save to save without changing any plan.
 _PER_SAVE_WORDS = frozenset(
@@ -160,47 +157,14 @@ def writer_key(writer: Any) -> str:
     return f"{name}:{settings!r}"
 
 
-def group_key(dist_wrapper: Any) -> tuple[Any, ...]:
-    """World size, rank and member ranks of the save's process group (DCP's ``_DistWrapper``)."""
-    if dist_wrapper is None:
-        return ("group:unknown",)
-    world = dist_wrapper.get_world_size()
-    group = getattr(dist_wrapper, "group", None)
+def group_key(process_group: Any = None) -> tuple[Any, ...]:
+    """World size, rank, coordinator and member ranks of a save's process group (``None``: the
+    default group; without ``torch.distributed`` a world of one)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return (1, 0, 0, "default")
+    world = dist.get_world_size(process_group)
+    rank = dist.get_rank(process_group)
     members: tuple[int, ...] | str = "default"
-    if getattr(dist_wrapper, "use_dist", False) and group is not None:
-        members = tuple(dist.get_process_group_ranks(group))
-    return (world, dist_wrapper.rank, dist_wrapper.coordinator_rank, members)
-
-
-def find_save_context(frame: FrameType | None = None, depth: int = 8) -> tuple[Any, Any]:
-    """The ``(storage_writer, dist_wrapper)`` of the ``dcp.save`` that is calling the planner.
-
-    DCP hands a planner neither the writer nor the process group, but both are locals of the
-    ``local_step`` closure in ``_save_state_dict`` that calls ``set_up_planner`` and
-    ``create_local_plan``. Returns ``(None, None)`` when that frame is not found (a future DCP
-    or a direct call), in which case writer and group changes are not part of the key.
-    """
-    f: FrameType | None = frame if frame is not None else sys._getframe(1)
-    for _ in range(depth):
-        if f is None:
-            break
-        if f.f_code.co_name == "local_step" and f.f_globals.get("__name__") == _SAVER_MODULE:
-            local = f.f_locals
-            return local.get("storage_writer"), local.get("distW")
-        f = f.f_back
-    return None, None
-
-
-def in_dcp_collective(name: str, depth: int = 12) -> bool:
-    """True when called (through pickling) from DCP's ``_DistWrapper.<name>``, e.g.
-    ``broadcast_object`` or ``gather_object``."""
-    f: FrameType | None = sys._getframe(1)
-    for _ in range(depth):
-        if f is None:
-            return False
-        if f.f_code.co_name == name and f.f_globals.get("__name__") == (
-            "torch.distributed.checkpoint.utils"
-        ):
-            return True
-        f = f.f_back
-    return False
+    if process_group is not None:
+        members = tuple(dist.get_process_group_ranks(process_group))
+    return (world, rank, 0, members)

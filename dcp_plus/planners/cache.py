@@ -11,8 +11,9 @@ The coordinator also keeps ``mirror[rank]`` (local digest -> local plan) and ``g
 (in ``finish_plan``, which DCP calls on every rank or on none), with the same LRU bound, so the
 coordinator knows exactly what every rank holds and can answer a hit with a token.
 
-Caches are found by id in a per-process registry, so that a planner pickled into DCP's
-PROCESS-mode daemon on every save finds the cache it built there on earlier saves.
+Caches are found by id in the per-process registry (:mod:`dcp_plus.planners.cache_registry`),
+so that a planner pickled into DCP's PROCESS-mode daemon on every save finds the cache it built
+there on earlier saves.
 """
 
 from __future__ import annotations
@@ -20,68 +21,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
-import threading
-import weakref
-from collections import OrderedDict
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_plus.planners._fingerprint import in_dcp_collective
+from dcp_plus.planners._dcp_stack import in_dcp_collective
 from dcp_plus.planners._flatten import Flat, Template
+from dcp_plus.planners.cache_registry import active_cache, lookup, register, set_active
+from dcp_plus.planners.lru import LRU
 
 log = logging.getLogger(__name__)
 
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
 HIT = "hit"
 FULL = "full"
-
-
-class LRU(Generic[K, V]):
-    """A small least-recently-used map with a fixed number of entries."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"LRU capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
-        self._data: OrderedDict[K, V] = OrderedDict()
-
-    def get(self, key: K) -> V | None:
-        """The value for ``key`` (marking it recently used), or None."""
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
-
-    def peek(self, key: K) -> V | None:
-        """The value for ``key`` without touching the recency order."""
-        return self._data.get(key)
-
-    def put(self, key: K, value: V) -> None:
-        """Insert or refresh ``key``, evicting the least recently used entry when full."""
-        self._data[key] = value
-        self._data.move_to_end(key)
-        while len(self._data) > self.capacity:
-            self._data.popitem(last=False)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._data
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def keys(self) -> list[K]:
-        """Keys, least recently used first."""
-        return list(self._data)
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        self._data.clear()
 
 
 @dataclass(frozen=True)
@@ -238,9 +193,9 @@ def _expand_metadata(
     """Unpickle a broadcast token into the receiving rank's cached structure metadata.
 
     The receiving thread is the one running the save, so its planner's cache is the one that
-    :func:`set_active` recorded in ``set_up_planner``.
+    :func:`~dcp_plus.planners.cache_registry.set_active` recorded in ``set_up_planner``.
     """
-    cache: PlanCache | None = getattr(_active, "cache", None)
+    cache = active_cache()
     entry = cache.finals.peek(global_key) if cache is not None else None
     if entry is None:
         log.warning(
@@ -384,46 +339,6 @@ class PlanCache:
             self.globals.put(p.global_key, p.global_entry)
         else:
             self.globals.get(p.global_key)
-
-
-_active = threading.local()
-
-
-def set_active(cache: PlanCache) -> None:
-    """Record ``cache`` as the one of the save running in this thread."""
-    _active.cache = cache
-
-
-_lock = threading.Lock()
-_registry: weakref.WeakValueDictionary[str, PlanCache] = weakref.WeakValueDictionary()
-_pinned: OrderedDict[str, PlanCache] = OrderedDict()
-MAX_PINNED = 16
-"""Caches of unpickled planners kept alive per process (PROCESS-mode daemons)."""
-
-
-def lookup(cache_id: str) -> PlanCache | None:
-    """The live cache with this id in this process, if any."""
-    with _lock:
-        return _registry.get(cache_id)
-
-
-def register(cache_id: str, capacity: int, pin: bool) -> PlanCache:
-    """The cache with this id in this process, created if needed.
-
-    ``pin`` keeps it alive after its planner is gone: a planner unpickled into DCP's daemon
-    lives for one save only, its cache must outlive it. At most :data:`MAX_PINNED` are pinned.
-    """
-    with _lock:
-        cache = _registry.get(cache_id)
-        if cache is None:
-            cache = PlanCache(cache_id, capacity)
-            _registry[cache_id] = cache
-        if pin:
-            _pinned[cache_id] = cache
-            _pinned.move_to_end(cache_id)
-            while len(_pinned) > MAX_PINNED:
-                _pinned.popitem(last=False)
-        return cache
 
 
 __all__ = [

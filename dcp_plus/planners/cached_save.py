@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -26,7 +27,6 @@ from dcp_plus.planners._fingerprint import (
     Entry,
     digest,
     digest_entries,
-    find_save_context,
     group_key,
     structure_entries,
     writer_key,
@@ -47,14 +47,14 @@ from dcp_plus.planners.cache import (
     set_active,
     structure_metadata,
 )
-from dcp_plus.planners.write_set import records_write_set, unwritten_tensor_fqns
+from dcp_plus.planners.write_set import WriteSetRecorder, records_write_set
 
 log = logging.getLogger(__name__)
 
 # Per-save state that must never travel into DCP's PROCESS-mode daemon.
 _TRANSIENT = (
     "state_dict", "plan", "global_plan", "_metadata_ref", "_cache", "_local_key",
-    "_structure_key",
+    "_structure_key", "_write_set",
 )
 
 
@@ -104,6 +104,23 @@ class CachedSavePlanner(DefaultSavePlanner):
         self._local_key = b""
         self._structure_key = b""
         self._fast_flatten = True
+        self._write_set = WriteSetRecorder()
+        self._writer_key = writer_key(None)
+        self._group_key: tuple[Any, ...] | None = None
+
+    def set_save_context(
+        self, storage_writer: Any = None, process_group: dist.ProcessGroup | None = None
+    ) -> None:
+        """Name the storage writer and process group of the saves that follow.
+
+        DCP hands a planner neither, yet both can change a save plan, so they are part of its
+        cache key. Without this call a change of the writer's type or settings between saves
+        is not seen (a change of any rank's structure, or of the world size, still replans),
+        and the process group counts as the default one. ``CheckpointManager`` calls it
+        before each save; with ``dcp.save`` call it whenever the writer or group changes.
+        """
+        self._writer_key = writer_key(storage_writer)
+        self._group_key = group_key(process_group)
 
     # -- pickling (DCP's PROCESS executor) -------------------------------------------------
 
@@ -114,6 +131,7 @@ class CachedSavePlanner(DefaultSavePlanner):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._write_set = WriteSetRecorder()
         self._local_key = b""
         self._structure_key = b""
         # In DCP's daemon this object lives for one save; its cache must live on.
@@ -150,7 +168,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         """The tensor fqns this rank's last save did not write (another replica did), or an
         empty set if ``fqns`` differs from that save's tensor keys (``ArenaStager``'s
         ``skip_unwritten``; see ``dcp_plus/planners/write_set.py``)."""
-        return unwritten_tensor_fqns(self, fqns)
+        return self._write_set.unwritten(fqns)
 
     # -- SavePlanner protocol --------------------------------------------------------------
 
@@ -229,10 +247,9 @@ class CachedSavePlanner(DefaultSavePlanner):
         return key
 
     def _context(self) -> tuple[Any, ...]:
-        writer, dist_wrapper = find_save_context()
         return (
-            writer_key(writer),
-            group_key(dist_wrapper),
+            self._writer_key,
+            self._group_key if self._group_key is not None else group_key(),
             self.is_coordinator,
             self.flatten_state_dict,
             self.flatten_sharded_tensors,

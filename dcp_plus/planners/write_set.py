@@ -7,11 +7,11 @@ a :class:`~dcp_plus.planners.CachedSavePlanner` that a stager asked about record
 * ``tensor_fqns``: the tensor keys of this rank's flattened state dict, in order, and
 * ``unwritten``: those for which this rank's *final* local plan has no write item,
 
-and :func:`unwritten_tensor_fqns` answers a stager: the fqns not written last time, if the
+and :meth:`WriteSetRecorder.unwritten` answers a stager: the fqns not written last time, if the
 stager's tensor keys are exactly ``tensor_fqns``, else nothing. Recording starts at the first
 query, so planners no stager asks about do no extra work.
 
-:func:`check_and_record` also runs the safety net: the stager leaves the skipped views stale
+:meth:`WriteSetRecorder.check_and_record` also runs the safety net: the stager leaves the skipped views stale
 (:mod:`dcp_plus.memory.skipped`), and if the final plan of a save must write one of them (the plan
 changed after staging, e.g. another rank's structure changed), the save fails with
 :class:`~dcp_plus.errors.StaleStagingError` naming the tensors, and the record is dropped so the
@@ -25,8 +25,6 @@ each save's ``finish_plan`` is against that save's own snapshot whichever one it
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,24 +46,6 @@ class WriteSet:
     unwritten: frozenset[str]
 
 
-class _Recorder:
-    def __init__(self) -> None:
-        self.last: WriteSet | None = None
-        # written fqns of the last plan's item list: a hit reuses the cached list object
-        self._items: list[Any] | None = None
-        self._written: frozenset[str] = _EMPTY
-
-    def written(self, plan: SavePlan) -> frozenset[str]:
-        if plan.items is not self._items:
-            self._written = written_fqns(plan)
-            self._items = plan.items
-        return self._written
-
-
-_lock = threading.Lock()
-_recorders: weakref.WeakKeyDictionary[Any, _Recorder] = weakref.WeakKeyDictionary()
-
-
 def written_fqns(plan: SavePlan) -> frozenset[str]:
     """The fqns of ``plan``'s tensor write items (``BYTE_IO`` items excluded)."""
     return frozenset(i.index.fqn for i in plan.items if i.type != WriteItemType.BYTE_IO)
@@ -76,49 +56,56 @@ def tensor_fqns(state_dict: dict[str, Any]) -> tuple[str, ...]:
     return tuple(k for k, v in state_dict.items() if isinstance(v, torch.Tensor))
 
 
-def unwritten_tensor_fqns(planner: Any, fqns: Sequence[str]) -> frozenset[str]:
-    """The fqns of ``fqns`` that ``planner``'s last save on this rank did not write.
+class WriteSetRecorder:
+    """The write set of one planner instance in one process (see the module docstring)."""
 
-    Empty unless ``fqns`` equals that save's tensor keys (same structure, same order); also
-    empty before the first recorded save. The first call starts recording.
-    """
-    rec = _recorders.get(planner)
-    if rec is None:
-        with _lock:
-            rec = _recorders.setdefault(planner, _Recorder())
-    last = rec.last
-    if last is None or len(fqns) != len(last.tensor_fqns) or tuple(fqns) != last.tensor_fqns:
-        return _EMPTY
-    return last.unwritten
+    def __init__(self) -> None:
+        self.recording = False  # a stager asked: record after every save
+        self.last: WriteSet | None = None
+        # written fqns of the last plan's item list: a hit reuses the cached list object
+        self._items: list[Any] | None = None
+        self._written: frozenset[str] = _EMPTY
 
+    def written(self, plan: SavePlan) -> frozenset[str]:
+        """:func:`written_fqns` of ``plan``, cached while its item list is the same object."""
+        if plan.items is not self._items:
+            self._written = written_fqns(plan)
+            self._items = plan.items
+        return self._written
 
-def forget(planner: Any) -> None:
-    """Drop ``planner``'s record: the next query returns nothing until the next save."""
-    rec = _recorders.get(planner)
-    if rec is not None:
-        rec.last = None
+    def unwritten(self, fqns: Sequence[str]) -> frozenset[str]:
+        """The fqns of ``fqns`` that the last recorded save on this rank did not write.
 
+        Empty unless ``fqns`` equals that save's tensor keys (same structure, same order); also
+        empty before the first recorded save. The first call starts recording.
+        """
+        self.recording = True
+        last = self.last
+        if last is None or len(fqns) != len(last.tensor_fqns) or tuple(fqns) != last.tensor_fqns:
+            return _EMPTY
+        return last.unwritten
 
-def check_and_record(planner: Any, plan: SavePlan) -> None:
-    """After ``finish_plan``: fail on stale staged tensors, else record the write set.
+    def forget(self) -> None:
+        """Drop the record: the next query returns nothing until the next save."""
+        self.last = None
 
-    Raises:
-        StaleStagingError: the final plan writes a tensor the stager did not refresh.
-    """
-    state_dict = getattr(planner, "state_dict", None)
-    if not isinstance(state_dict, dict):
-        return
-    rec = _recorders.get(planner)
-    if stale_views:
-        written = rec.written(plan) if rec is not None else written_fqns(plan)
-        bad = stale_views.check(state_dict, written)
-        if bad:
-            if rec is not None:
-                rec.last = None
-            raise StaleStagingError(_message(bad))
-    if rec is not None:
-        fqns = tensor_fqns(state_dict)
-        rec.last = WriteSet(fqns, frozenset(fqns) - rec.written(plan))
+    def check_and_record(self, state_dict: Any, plan: SavePlan) -> None:
+        """After ``finish_plan``: fail on stale staged tensors, else record the write set.
+
+        Raises:
+            StaleStagingError: the final plan writes a tensor the stager did not refresh.
+        """
+        if not isinstance(state_dict, dict):
+            return
+        if stale_views:
+            written = self.written(plan) if self.recording else written_fqns(plan)
+            bad = stale_views.check(state_dict, written)
+            if bad:
+                self.last = None
+                raise StaleStagingError(_message(bad))
+        if self.recording:
+            fqns = tensor_fqns(state_dict)
+            self.last = WriteSet(fqns, frozenset(fqns) - self.written(plan))
 
 
 def _message(bad: list[str]) -> str:
@@ -139,12 +126,12 @@ F = TypeVar("F", bound=Callable[..., SavePlan])
 
 
 def records_write_set(finish_plan: F) -> F:
-    """Decorate a planner's ``finish_plan`` with :func:`check_and_record`."""
+    """Decorate a planner's ``finish_plan`` with its ``_write_set`` recorder's check."""
 
     @functools.wraps(finish_plan)
     def wrapper(self: Any, new_plan: SavePlan) -> SavePlan:
         plan = finish_plan(self, new_plan)
-        check_and_record(self, plan)
+        self._write_set.check_and_record(getattr(self, "state_dict", None), plan)
         return plan
 
     return wrapper  # type: ignore[return-value]

@@ -107,7 +107,9 @@ class Buffer:
     in_use: bool = False
     bases: list[torch.Tensor] = field(default_factory=list)
     generation: int = 0  # bumped when a snapshot's hold on the buffer ends or is revoked
-    consumer: threading.Thread | None = None  # the thread the current snapshot's save ran on
+    consumer: threading.Thread | None = None  # the thread that took the current snapshot
+    consumer_saves: bool = False
+    """The consumer runs the save itself (DCP's THREAD executor): its exit ends the save."""
 
     @classmethod
     def allocate(cls, layout: Layout, *, pin: bool, pool: SlabPool | None = None) -> Buffer:
@@ -212,6 +214,14 @@ class Arena:
         for buf in self.buffers:
             buf.free()
         self.buffers = []
+
+
+def fingerprint(fqns: list[str], tensors: list[torch.Tensor]) -> Fingerprint:
+    """The :data:`Fingerprint` of local ``tensors`` stored under ``fqns``."""
+    return tuple(
+        (f, t.dtype, tuple(t.shape), t.stride(), str(t.device))
+        for f, t in zip(fqns, tensors, strict=True)
+    )
 
 
 def slab_names(arenas: Sequence[Arena]) -> list[str]:

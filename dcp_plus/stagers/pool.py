@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+import time
 
 from dcp_plus.memory.slabs import Slab
 
@@ -46,6 +47,19 @@ class SlabPool:
                 raise
             with self._lock:
                 self._slabs.append(slab)
+
+    def prefill(self, nbytes: int, slab_bytes: int) -> None:
+        """:meth:`fill`, logging how long it took; a failure is logged and empties the pool."""
+        t0 = time.perf_counter()
+        try:
+            self.fill(nbytes, slab_bytes)
+        except OSError as e:
+            logger.warning("ArenaStager: pre-faulting %d bytes failed: %s", nbytes, e)
+            self.drain()
+            return
+        logger.info(
+            "ArenaStager: pre-faulted %.1f MB in %.2fs", nbytes / 1e6, time.perf_counter() - t0
+        )
 
     def take(self, size: int) -> Slab | None:
         """A pooled slab resized to ``size`` bytes, or None when the pool is empty.

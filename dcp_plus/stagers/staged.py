@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,16 +32,24 @@ from dcp_plus.memory.slabs import Slab, registry
 class StagedStateDict(dict):
     """A ``dict`` of staged values; see the module docstring. Valid until its save persists.
 
-    ``owner`` names the arena buffer it lives in ("" if none).
+    ``owner`` names the arena buffer it lives in ("" if none); ``on_pickle``, if given, is
+    called whenever the dict is pickled (it is crossing into another process).
     """
 
-    __slots__ = ("__weakref__", "owner")
+    __slots__ = ("__weakref__", "on_pickle", "owner")
 
-    def __init__(self, *args: Any, owner: str = "", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, owner: str = "", on_pickle: Callable[[], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.owner = owner
+        self.on_pickle = on_pickle
 
     def __reduce__(self) -> tuple[Any, ...]:
+        on_pickle = getattr(self, "on_pickle", None)
+        if on_pickle is not None:
+            on_pickle()
         entry = stale_views.get(getattr(self, "owner", ""))
         if entry is not None:
             # ArenaStager only skips tensors when async_save runs the THREAD executor; the
@@ -50,7 +58,7 @@ class StagedStateDict(dict):
                 f"this staged dict has {len(entry.views)} tensor(s) that ArenaStager("
                 "skip_unwritten=...) did not copy, and it is being pickled (DCP's PROCESS "
                 "executor?): the skip works with the THREAD executor only; stage again "
-                "without skip_unwritten"
+                "without skip_unwritten, or pass ArenaStager(executor=\"process\")"
             )
         return (_rebuild, (_encode(dict(self)),))
 
@@ -65,21 +73,33 @@ class SlabTensorRef:
     shape: tuple[int, ...]
 
 
-def _encode(value: Any) -> Any:
+def _walk(value: Any, leaf: Callable[[Any], Any], is_map: Callable[[Any], bool]) -> Any:
+    """``value`` with its dicts (``is_map``), lists and tuples rebuilt and ``leaf`` applied
+    to everything else."""
+    if is_map(value):
+        return {k: _walk(v, leaf, is_map) for k, v in value.items()}
+    if type(value) is list:
+        return [_walk(v, leaf, is_map) for v in value]
+    if type(value) is tuple:
+        return tuple(_walk(v, leaf, is_map) for v in value)
+    return leaf(value)
+
+
+def _encode_leaf(value: Any) -> Any:
     if type(value) is torch.Tensor:
         ref = registry.lookup(value)
         if ref is not None:
             return SlabTensorRef(ref.slab, ref.offset, value.dtype, tuple(value.shape))
-        return value
-    if isinstance(value, Mapping):
-        return {k: _encode(v) for k, v in value.items()}
-    if type(value) is list:
-        return [_encode(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_encode(v) for v in value)
     return value
 
 
+def _encode(value: Any) -> Any:
+    return _walk(value, _encode_leaf, lambda v: isinstance(v, Mapping))
+
+
+# The process-wide map of slabs this process has mapped by name. Process-wide because the
+# unpickling that maps them (in DCP's daemon, or any receiving process) has no object to keep
+# it on, and every staged dict of one slab must share one mapping and one registry entry.
 _attach_lock = threading.Lock()
 _attached: dict[str, tuple[Slab, torch.Tensor]] = {}
 
@@ -106,21 +126,19 @@ def attached_slab_names() -> list[str]:
         return list(_attached)
 
 
+def _decode_leaf(value: Any) -> Any:
+    if not isinstance(value, SlabTensorRef):
+        return value
+    base = _attach(value.slab)
+    numel = 1
+    for d in value.shape:
+        numel *= d
+    nbytes = numel * value.dtype.itemsize
+    return base[value.offset : value.offset + nbytes].view(value.dtype).view(value.shape)
+
+
 def _decode(value: Any) -> Any:
-    if isinstance(value, SlabTensorRef):
-        base = _attach(value.slab)
-        numel = 1
-        for d in value.shape:
-            numel *= d
-        nbytes = numel * value.dtype.itemsize
-        return base[value.offset : value.offset + nbytes].view(value.dtype).view(value.shape)
-    if type(value) is dict:
-        return {k: _decode(v) for k, v in value.items()}
-    if type(value) is list:
-        return [_decode(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_decode(v) for v in value)
-    return value
+    return _walk(value, _decode_leaf, lambda v: type(v) is dict)
 
 
 def _rebuild(encoded: dict[str, Any]) -> dict[str, Any]:

@@ -209,6 +209,7 @@ def _case_writer_change(rank: int, world: int, root: str) -> list[bool]:
                _OtherWriter(f"{root}/w_4")]
     hits = []
     for w in writers:
+        planner.set_save_context(storage_writer=w)
         dcp.save(sd, storage_writer=w, planner=planner)
         hits.append(planner.last_was_hit)
     return hits

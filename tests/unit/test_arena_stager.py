@@ -148,10 +148,15 @@ def test_with_guard_checkpoint_equals_live_values_at_stage_time(tmp_path):
 
 def test_without_guard_or_wait_the_snapshot_can_be_torn():
     """Proves the guard matters: mutate right after stage() with no wait."""
-    live = torch.zeros(16 << 20)  # 64 MiB into a fresh arena: first-touch copy is slow
+    live = torch.zeros(16 << 20)
     with ArenaStager() as stager:
+        # Hold the copy thread (jobs run in submission order) until the mutation is done, so
+        # the outcome does not depend on who wins a race: stage() returned before any copy.
+        held = threading.Event()
+        stager._engine.submit(held.wait)
         fut = stager.stage({"w": live})
         live.fill_(1.0)  # no guard, no wait on staging_completion
+        held.set()
         staged = fut.result()["w"]
         assert bool((staged == 1.0).any()), "mutation after stage() did not reach the snapshot"
         del staged, fut

@@ -235,10 +235,11 @@ def test_a_save_without_the_check_turns_skipping_off_for_good(
 
 
 def test_process_executor_is_detected_and_never_skipped() -> None:
-    # stage() called from a function DCP's async_save would be, with the PROCESS executor
-    ns: dict[str, Any] = {"__name__": "torch.distributed.checkpoint.state_dict_saver"}
+    # the executor kind a caller of DCP's async_save passes on to the stager
+    ns: dict[str, Any] = {}
     exec(
         "def async_save(stager, sd, async_checkpointer_type):\n"
+        "    stager.executor = async_checkpointer_type.name.lower()\n"
         "    return stager.stage(sd)\n",
         ns,
     )
@@ -274,3 +275,21 @@ def test_structure_change_on_this_rank_copies_everything() -> None:
         assert stager.wait_persisted(5)
         stager.stage(sd).result()
         assert stager.last_skipped_bytes == 4 * 3000
+
+
+def test_a_pickled_staged_dict_turns_skipping_off_by_default() -> None:
+    sd, stub = _sd(), Stub()
+    stub.skip = frozenset({"model.b"})
+    with ArenaStager(skip_unwritten=stub) as stager:
+        staged = stager.stage(sd).result()
+        pickle.dumps(staged)  # no stale views yet: it pickles (DCP's PROCESS executor would)
+        del staged
+        assert stager.wait_persisted(5)
+        asked = len(stub.asked)
+        stager.stage(sd).result()
+        assert stager.last_skipped_bytes == 0 and len(stub.asked) == asked
+
+
+def test_executor_kind_is_checked() -> None:
+    with pytest.raises(ValueError, match="'thread', 'process', 'other'"):
+        ArenaStager(executor="threads")  # type: ignore[arg-type]
