@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from dcp_plus.errors import ClosedError, DcpPlusError
+from dcp_plus.errors import ClosedError, DcpPlusError, StagingError
 from dcp_plus.memory.slabs import remove_orphans
 from dcp_plus.stagers.arena import Arena, fingerprint
 from dcp_plus.stagers.arenas import ArenaSet
@@ -33,7 +33,7 @@ from dcp_plus.stagers.hsdp_skip import (
 )
 from dcp_plus.stagers.pool import SlabPool
 from dcp_plus.stagers.snapshot import Job, Snapshotter
-from dcp_plus.stagers.stage_future import StageFuture
+from dcp_plus.stagers.stage_future import Release, StageFuture
 from dcp_plus.stagers.staged import StagedStateDict
 from dcp_plus.stagers.tree import capture, fqns_of, local_tensor
 
@@ -106,6 +106,7 @@ class ArenaStager(AsyncStager):
         self._closed = False
         self._skip = SkipControl(lock)
         self._holds = Holds(self._cond, self._set, self._skip, buffers)
+        self._last_release: Release | None = None
         self._snapshots = Snapshotter(
             self._cond, self._set, self._pool, self._skip, self._holds, self._engine
         )
@@ -182,7 +183,23 @@ class ArenaStager(AsyncStager):
         except BaseException:
             self._holds.release_permit()
             raise
+        self._last_release = future.release  # the buffer's, not the staged dict's
         return future
+
+    def release_when(self, done: Future[Any]) -> None:
+        """The snapshot staged last is free once ``done`` completes.
+
+        Pass the save's ``AsyncSaveResponse.upload_completion`` right after ``async_save``
+        returns: its buffer is then reused as soon as the persist ends, even while the staged
+        dict is still referenced (by a failed save's exception, or by the save's arguments
+        while ``done``'s callbacks run, where a ``close()`` would otherwise wait for it).
+        Without it, a buffer is free when its staged dict dies (or, ``executor="thread"``,
+        when the thread that ran the save exits).
+        """
+        release = self._last_release
+        if release is None:
+            raise StagingError("ArenaStager.release_when(): nothing was staged yet")
+        done.add_done_callback(lambda _: release())
 
     def synchronize_staging(self) -> None:
         """Wait until every snapshot submitted so far has been copied.

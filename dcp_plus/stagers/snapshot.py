@@ -96,7 +96,9 @@ class Snapshotter:
                 owner=buf.key,
                 on_pickle=functools.partial(self._holds.pickled, buf, buf.generation),
             )
-            weakref.finalize(staged, self._holds.release, arena, buf, buf.generation)
+            release = functools.partial(self._holds.release, arena, buf, buf.generation)
+            weakref.finalize(staged, release)
+            job.future.release.fn = release
             job.future.on_consumer(functools.partial(_set_consumer, buf))
             arena = buf = None  # ownership moved to the finalizer
             job.future.set_result(staged)

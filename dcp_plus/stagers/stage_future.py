@@ -23,6 +23,18 @@ START_AFTER_S = 0.005
 """Longest delay before the copy starts when nobody touches the future."""
 
 
+class Release:
+    """Frees one snapshot's buffer when called (a no-op before the snapshot exists, or once
+    the buffer was freed). Holds the buffer, never the staged dict."""
+
+    def __init__(self) -> None:
+        self.fn: Callable[[], None] | None = None
+
+    def __call__(self) -> None:
+        if self.fn is not None:
+            self.fn()
+
+
 class StageFuture(Future[T]):
     """A ``Future`` whose first use by the caller releases the copy job (see module doc)."""
 
@@ -33,6 +45,7 @@ class StageFuture(Future[T]):
         self._setter: int | None = None
         self.consumer: threading.Thread | None = None  # first other thread to wait on it
         self._sink: Callable[[threading.Thread], None] | None = None
+        self.release = Release()
         self.set_running_or_notify_cancel()
 
     def on_consumer(self, sink: Callable[[threading.Thread], None]) -> None:

@@ -519,3 +519,34 @@ def test_a_failed_save_holding_its_staged_dict_does_not_block_the_next_one(tmp_p
     dcp.load(target, storage_reader=LocalReader(str(tmp_path / "next")))
     for k, v in expected.items():
         assert torch.equal(target["model"][k], v), k
+
+
+def test_release_when_frees_the_buffer_of_a_failed_save_whose_error_holds_it(tmp_path):
+    # executor="other": no thread exit is taken as the end of a save; the staged dict stays
+    # referenced through the failed save's exception, so only release_when frees its buffer
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    sd = {"w": torch.ones(4096)}
+    for explicit in (False, True):
+        stager = ArenaStager(executor="other", wait_timeout_s=1.0)
+        try:
+            resp = dcp.async_save(sd, storage_writer=LocalWriter(blocker / "c"),
+                                  async_stager=stager, no_dist=True)
+            if explicit:
+                stager.release_when(resp.upload_completion)
+            error = resp.upload_completion.exception(timeout=60)
+            assert error is not None  # kept: it references the staged dict
+            if explicit:
+                staged = stager.stage(sd).result(timeout=60)
+                assert torch.equal(staged["w"], sd["w"])
+            else:
+                with pytest.raises(StagingError, match="no buffer was released"):
+                    stager.stage(sd)
+            del error
+        finally:
+            stager.close(timeout=1)
+
+
+def test_release_when_before_any_stage_is_refused():
+    with ArenaStager() as stager, pytest.raises(StagingError, match="nothing was staged"):
+        stager.release_when(Future())
