@@ -153,9 +153,8 @@ class CheckpointManager:
         self._completed = saves.unread  # for the policy, drained by maybe_save
         self._finish = Completion(
             self._checkpoints, saves, clock=clock, phase=self._phase,
-            coordinator=self.is_coordinator,
-            lease_held=lambda: still_held(self._lease, self.root), keep_last=keep_last,
-            keep_every=keep_every)
+            coordinator=self.is_coordinator, lease_held=lambda: still_held(self._lease, self.root),
+            keep_last=keep_last, keep_every=keep_every)
         self._guards: _List[Any] = []
         self._guarded = False
         self._last_tick: float | None = None

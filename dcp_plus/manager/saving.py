@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
 from typing import Any
 
 from dcp_plus.manager.handle import SaveHandle, save_error
@@ -37,32 +38,23 @@ class SaveHistory:
         self.unread.append(stats)
 
 
+@dataclass(eq=False)
 class Completion:
-    """Finishes saves on the manager's thread.
+    """Finishes saves on the manager's thread."""
 
-    Args:
-        root: the checkpoints.
-        history: where each save's stats go.
-        clock: the manager's time source.
-        phase: ``phase(name, step)``, the manager's phase hook.
-        coordinator: whether this rank changes the root (advances ``latest``, retention,
-            removes a failed save).
-        lease_held: asked before each change (a fenced manager changes nothing).
-        keep_last, keep_every: retention.
-    """
-
-    def __init__(self, root: CheckpointRoot, history: SaveHistory, *,
-                 clock: Callable[[], float], phase: Callable[[str, int], None],
-                 coordinator: bool, lease_held: Callable[[], bool], keep_last: int | None,
-                 keep_every: int | None) -> None:
-        self.root = root
-        self.history = history
-        self.clock = clock
-        self.phase = phase
-        self.coordinator = coordinator
-        self.lease_held = lease_held
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+    root: CheckpointRoot
+    history: SaveHistory
+    """Where each save's stats go."""
+    clock: Callable[[], float]
+    phase: Callable[[str, int], None]
+    """``phase(name, step)``: the manager's phase hook."""
+    coordinator: bool
+    """Whether this rank changes the root (advances ``latest``, retention, removes a failed
+    save)."""
+    lease_held: Callable[[], bool]
+    """Asked before each change (a fenced manager changes nothing)."""
+    keep_last: int | None
+    keep_every: int | None
 
     def staged(self, handle: SaveHandle, f: Future[Any]) -> None:
         """Callback of the snapshot's future."""

@@ -51,7 +51,7 @@ def test_save_commits_then_advances_latest_and_resolves_the_handle(tmp_path):
         assert h.staged.done() and h.staged.exception() is None
         assert stats.ok and stats.step == 3
         # persist (snapshot complete -> commit) was measured, and inside the save's wall time
-        assert 0 < stats.persist_s and stats.staging_s + stats.persist_s <= wall_s
+        assert stats.persist_s > 0 and stats.staging_s + stats.persist_s <= wall_s
         assert m.latest_step() == 3 and [c.step for c in m.list()] == [3]
         assert verify(h.path).ok
     assert phases == [("stage", 3), ("persist", 3), ("commit", 3), ("done", 3)]
