@@ -233,8 +233,8 @@ class CheckpointManager:
         try:
             fence = self._lease.check if self._lease is not None else None
             writer = self.backend.writer(path, {**self.writer_options.kwargs(), "fence": fence})
-            # without a process group DCP's upload thread warns (once per process) that
-            # torch.distributed is disabled: hiding it there would take a process-wide filter
+            # without a process group DCP's upload thread warns (by default once per process)
+            # that torch.distributed is disabled: hiding it there takes a process-wide filter
             resp = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                   async_stager=self._stager, process_group=self._group,
                                   no_dist=not self._dist)

@@ -166,7 +166,8 @@ _SCHEMES: dict[str, BackendFactory] = {
 
 
 def register_scheme(scheme: str, factory: BackendFactory) -> None:
-    """Make roots ``scheme://...`` use the backend ``factory(storage_options)`` builds."""
+    """Make roots ``scheme://...`` use the backend ``factory(storage_options)`` builds (a
+    :class:`Backend`: it names the settings classes of its writer and reader)."""
     _SCHEMES[scheme] = factory
 
 
