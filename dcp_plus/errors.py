@@ -73,3 +73,7 @@ class LeaseLostError(DcpPlusError, RuntimeError):
 
 class ReadOnlyError(DcpPlusError, PermissionError):
     """A write was asked of a ``CheckpointManager(..., read_only=True)``."""
+
+
+class InvalidOptionError(DcpPlusError, ValueError):
+    """A setting given at construction is refused (the message names it and what it takes)."""

@@ -21,19 +21,19 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
 
 from dcp_plus.integrations._titan_schedule import LoopSchedule
+from dcp_plus.manager.control import ControlGroup
+from dcp_plus.manager.object_backend import ObjectStoreBackend
+from dcp_plus.manager.options import LocalWriterOptions, ObjectStoreWriterOptions
+from dcp_plus.manager.storage import Backend, LocalBackend
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
-from dcp_plus.readers import LocalReader, ObjectStoreReader
 from dcp_plus.schedule import AdaptiveInterval
 from dcp_plus.stagers import ArenaStager
-from dcp_plus.writers import LocalWriter, ObjectStoreWriter, shutdown_pool
+from dcp_plus.storage.urls import is_url
+from dcp_plus.writers import shutdown_pool
 
 log = logging.getLogger(__name__)
 
 _CODECS = ("identity", "zstd", "zstd+shuffle")
-
-
-def _is_url(path: str) -> bool:
-    return "://" in path
 
 
 @dataclass(slots=True)
@@ -154,7 +154,7 @@ class DcpPlusCheckpointManager(CheckpointManager):
             if self.adaptive_warmup < 1:
                 raise ValueError(
                     f"checkpoint.adaptive_warmup must be >= 1, got {self.adaptive_warmup}")
-            if self.writer == "local" and _is_url(self.folder):
+            if self.writer == "local" and is_url(self.folder):
                 raise ValueError(f"checkpoint.writer='local' cannot write to the URL "
                                  f"{self.folder!r}; use writer='object_store' or 'auto'")
 
@@ -173,14 +173,19 @@ class DcpPlusCheckpointManager(CheckpointManager):
                                       num_threads=config.stager_threads)
         self._executor = (AsyncCheckpointerType.PROCESS if config.async_executor == "process"
                           else AsyncCheckpointerType.THREAD)
-        if _is_url(self.folder) and config.storage_options:
+        # the writer settings of either backend, checked now rather than at the first save
+        self._writer_options: dict[type, Any] = {
+            LocalWriterOptions: LocalWriterOptions(
+                workers=config.writer_workers, threads=config.writer_threads,
+                fsync=config.fsync, codec=config.compression),
+            ObjectStoreWriterOptions: ObjectStoreWriterOptions(codec=config.compression)}
+        if is_url(self.folder) and config.storage_options:
             log.warning("dcp_plus: checkpoint.storage_options reach dcp_plus's writer and "
                         "reader only; TorchTitan lists %s itself (resume step, keep_latest_k) "
                         "through fsspec without them: put the endpoint and credentials in "
                         "fsspec's config too (e.g. FSSPEC_S3='{...}')", self.folder)
         self._schedule: LoopSchedule | None = None
-        self._ctl: Any = None
-        self._broadcast = False
+        self._ctl: ControlGroup | None = None
         if config.adaptive_budget is not None and not self.load_only:
             self._init_adaptive(config.adaptive_budget, config.adaptive_warmup)
 
@@ -188,11 +193,9 @@ class DcpPlusCheckpointManager(CheckpointManager):
         """Rank 0 runs the policy; every step it broadcasts its answer on a gloo group of
         its own (async uploads run collectives on ``self.pg`` from a background thread, and
         gloo aborts on interleaved collectives)."""
-        self._broadcast = dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1
-        if self._broadcast:
-            self._ctl = dist.new_group(backend="gloo")
-        if not self._broadcast or dist.get_rank() == 0:
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._ctl = ControlGroup()
+        if self._ctl is None or dist.get_rank() == 0:
             self._schedule = LoopSchedule(AdaptiveInterval(budget, warmup=warmup))
         log.info("dcp_plus: checkpoint steps chosen by AdaptiveInterval(p=%g, warmup=%d) on "
                  "rank 0 (checkpoint.interval=%d is not used)", budget, warmup, self.interval)
@@ -204,29 +207,30 @@ class DcpPlusCheckpointManager(CheckpointManager):
             return CachedSavePlanner(cache_size=self.dcpp.plan_cache_size)
         return DefaultSavePlanner()
 
-    def _uses_object_store(self, path: str) -> bool:
+    def _backend(self, path: str) -> Backend:
+        """The manager's storage backend for ``path``: the object store's for a URL (with
+        ``writer="auto"``) or with ``writer="object_store"``, the local one otherwise."""
         kind = self.dcpp.writer
-        return kind == "object_store" or (kind == "auto" and _is_url(path))
+        if kind == "object_store" or (kind == "auto" and is_url(path)):
+            return ObjectStoreBackend(self.dcpp.storage_options)
+        return LocalBackend()
 
     def make_writer(self, checkpoint_id: str) -> StorageWriter:
         """The storage writer for one save (a new one per save, as DCP expects)."""
-        if self._uses_object_store(checkpoint_id):
-            return ObjectStoreWriter(checkpoint_id, self.dcpp.storage_options, overwrite=True,
-                                     codec=self.dcpp.compression)
-        # overwrite: like TorchTitan's FileSystemWriter, a save replaces the same step's
-        # checkpoint (e.g. after resuming from an earlier load_step); the old one stays
-        # loadable until the new commit record is in place.
-        return LocalWriter(checkpoint_id, overwrite=True, workers=self.dcpp.writer_workers,
-                           threads=self.dcpp.writer_threads, fsync=self.dcpp.fsync,
-                           codec=self.dcpp.compression)
+        # the backend's writers overwrite: like TorchTitan's FileSystemWriter, a save replaces
+        # the same step's checkpoint (e.g. after resuming from an earlier load_step); the old
+        # one stays loadable until the new commit record is in place.
+        backend = self._backend(checkpoint_id)
+        return backend.writer(checkpoint_id,
+                              self._writer_options[backend.writer_options].kwargs())
 
     def make_reader(self, checkpoint_id: str) -> StorageReader:
         """The storage reader for one load."""
-        if self._uses_object_store(checkpoint_id):
-            return ObjectStoreReader(checkpoint_id, self.dcpp.storage_options,
-                                     verify=self.dcpp.verify_on_load)
-        return LocalReader(checkpoint_id, verify=self.dcpp.verify_on_load,
-                           allow_pickle=self.dcpp.allow_pickle_on_load)
+        backend = self._backend(checkpoint_id)
+        options = backend.reader_options(verify=self.dcpp.verify_on_load).kwargs()
+        if isinstance(backend, LocalBackend):  # stock-DCP checkpoints: local folders only
+            options["allow_pickle"] = self.dcpp.allow_pickle_on_load
+        return backend.reader(checkpoint_id, options)
 
     # -- save -----------------------------------------------------------------------------
 
@@ -260,11 +264,7 @@ class DcpPlusCheckpointManager(CheckpointManager):
     def _adaptive_decision(self, step: int) -> bool:
         """Rank 0's policy answer for ``step``, the same on every rank."""
         want = self._schedule.decide(step) if self._schedule is not None else False
-        if not self._broadcast:
-            return want
-        flag = torch.tensor([1 if want else 0], dtype=torch.int32)
-        dist.broadcast(flag, src=dist.get_global_rank(self._ctl, 0), group=self._ctl)
-        return bool(flag.item())
+        return want if self._ctl is None else self._ctl.rank0_decides(want)
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:

@@ -366,6 +366,9 @@ def _parse_gen(name: str) -> int | None:
 
 
 _live: weakref.WeakSet[RootLease] = weakref.WeakSet()
+"""Every lease this process holds: the one process-wide registry, because its only reader is
+the process's exit (``atexit``), which no owner object outlives; weak, so that it never keeps
+a lease alive."""
 
 
 @atexit.register

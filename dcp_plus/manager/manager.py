@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-import warnings
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -23,25 +20,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dcp_plus.errors import (
-    ClosedError,
-    DcpPlusError,
-    LeaseHeldError,
-    LeaseLostError,
-    ReadOnlyError,
-)
+from dcp_plus.errors import ClosedError, DcpPlusError, ReadOnlyError
+from dcp_plus.manager.control import ControlGroup
 from dcp_plus.manager.handle import SaveHandle, save_error
-from dcp_plus.manager.lease import DEFAULT_TIMEOUT_S, LEASE_DIR, RootLease
-from dcp_plus.manager.naming import (
-    POINTER_NAME,
-    decode_pointer,
-    encode_pointer,
-    parse_step,
-    step_dirname,
-)
-from dcp_plus.manager.retention import to_remove
-from dcp_plus.manager.storage import backend_for
-from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
+from dcp_plus.manager.lease import DEFAULT_TIMEOUT_S
+from dcp_plus.manager.options import ReaderOptions, WriterOptions, options_for
+from dcp_plus.manager.resume import load_newest
+from dcp_plus.manager.root import CheckpointRoot
+from dcp_plus.manager.root_lease import acquire_for_job, still_held
+from dcp_plus.manager.saving import Completion, SaveHistory
+from dcp_plus.manager.storage import Backend, backend_for
+from dcp_plus.planners import CachedSavePlanner
 from dcp_plus.schedule import AdaptiveInterval, EveryN, IntervalPolicy, SaveStats
 from dcp_plus.stagers import ArenaStager
 
@@ -67,9 +56,12 @@ class CheckpointManager:
         root: directory (or ``file://`` URL) holding ``step_XXXXXXXX/`` checkpoints and the
             ``latest`` pointer. Other schemes plug in with
             :func:`dcp_plus.manager.storage.register_scheme`.
-        writer_options: keyword arguments of the writer (``LocalWriter``: ``workers``,
-            ``threads``, ``fsync``).
-        reader_options: keyword arguments of the reader (``LocalReader``: ``threads``).
+        writer_options: settings of the writer of each checkpoint: ``LocalWriterOptions``
+            for a local root, ``ObjectStoreWriterOptions`` for an object-store URL (both in
+            :mod:`dcp_plus.manager.options`; default: their defaults). Settings of the other
+            writer, or a bad value, raise ``InvalidOptionError`` here.
+        reader_options: likewise for the reader (``LocalReaderOptions`` /
+            ``ObjectStoreReaderOptions``).
         storage_options: passed untouched to the backend (object stores: credentials).
         keep_last: committed checkpoints kept by retention (``None``: keep all). The newest
             committed checkpoint is never deleted.
@@ -104,8 +96,8 @@ class CheckpointManager:
     returns ``None`` at once with ``if_busy="skip"``.
     """
 
-    def __init__(self, root: str | os.PathLike, *, writer_options: Mapping[str, Any] | None = None,
-                 reader_options: Mapping[str, Any] | None = None,
+    def __init__(self, root: str | os.PathLike, *, writer_options: WriterOptions | None = None,
+                 reader_options: ReaderOptions | None = None,
                  storage_options: Mapping[str, Any] | None = None, keep_last: int | None = 3,
                  keep_every: int | None = None, interval: IntervalPolicy | int | None = None,
                  process_group: Any = None, stager: ArenaStager | None = None,
@@ -119,9 +111,12 @@ class CheckpointManager:
             raise ValueError(f"history_size must be >= 1, got {history_size}")
         if not lease_timeout > 0:
             raise ValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
-        self.backend, self.root = backend_for(root, storage_options)
-        self.writer_options = dict(writer_options or {})
-        self.reader_options = dict(reader_options or {})
+        backend, self.root = backend_for(root, storage_options)
+        self._checkpoints = CheckpointRoot(backend, self.root)
+        self.writer_options: WriterOptions = options_for(
+            writer_options, backend.writer_options, "writer_options", self.root)
+        self.reader_options: ReaderOptions = options_for(
+            reader_options, backend.reader_options, "reader_options", self.root)
         self.keep_last = keep_last
         self.keep_every = keep_every
         self.policy: IntervalPolicy = (AdaptiveInterval(0.05) if interval is None else
@@ -131,34 +126,35 @@ class CheckpointManager:
         self.clock = clock
         self._dist = dist.is_available() and dist.is_initialized()
         self._group: Any = None
-        self._ctl: Any = None
+        self._ctl: ControlGroup | None = None
         self.rank, self.world_size = 0, 1
-        if not self._dist:
-            # one process, no process group, on purpose: DCP warns on every call otherwise
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
-                                    category=UserWarning)
         if self._dist:
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
             # saves run in a background thread: they get a group of their own, and decisions
             # and resume agreement get another (gloo aborts on interleaved collectives)
             self._group = dist.new_group(ranks=ranks, backend="gloo")
-            self._ctl = dist.new_group(ranks=ranks, backend="gloo")
+            self._ctl = ControlGroup(ranks)
             self.rank = dist.get_rank(self._group)
             self.world_size = dist.get_world_size(self._group)
-            self._src = dist.get_global_rank(self._ctl, 0)
         self.is_coordinator = self.rank == 0
         self.read_only = read_only
-        self._lease = None if read_only else self._acquire_lease(takeover, lease_timeout)
+        self._lease = None if read_only else acquire_for_job(
+            backend, self.root, coordinator=self.is_coordinator, ctl=self._ctl,
+            takeover=takeover, timeout_s=lease_timeout)
         self._owns_stager = stager is None and not read_only
         self._stager = stager if stager is not None or read_only else ArenaStager()
         self._planner = CachedSavePlanner()
         self._post = ThreadPoolExecutor(1, thread_name_prefix="dcpp-manager")
-        self._lock = threading.Lock()
         self._inflight: SaveHandle | None = None
         self._staging: SaveHandle | None = None
-        # stats of finished saves for the policy; bounded for a caller that never calls
-        # maybe_save (which drains it)
-        self._completed: deque[SaveStats] = deque(maxlen=history_size)
+        saves = SaveHistory(history_size)
+        self.history: _List[SaveStats] = saves.items
+        """The most recent saves' stats, oldest first (at most ``history_size``)."""
+        self._completed = saves.unread  # for the policy, drained by maybe_save
+        self._finish = Completion(
+            self._checkpoints, saves, clock=clock, phase=self._phase,
+            coordinator=self.is_coordinator, lease_held=lambda: still_held(self._lease, self.root),
+            keep_last=keep_last, keep_every=keep_every)
         self._guards: _List[Any] = []
         self._guarded = False
         self._last_tick: float | None = None
@@ -167,55 +163,28 @@ class CheckpointManager:
         self._update_t0: float | None = None
         self._closed = False
         self.history_size = history_size
-        self.history: _List[SaveStats] = []
-        """The most recent saves' stats, oldest first (at most ``history_size``)."""
         self.cleaned: _List[str] = []
         try:
             if self.is_coordinator and self._lease is not None:
                 # the lease holder alone cleans up, before any save of its own has started
                 self._lease.check()
                 self.backend.makedirs(self.root)
-                self.cleaned = self._clean_uncommitted()
-                self._repair_pointer()
-            if self._dist:
-                dist.barrier(group=self._ctl)
+                self.cleaned = self._checkpoints.clean_uncommitted()
+                self._checkpoints.repair_pointer()
+            if self._ctl is not None:
+                self._ctl.barrier()
         except BaseException:
             self.close()  # gives the lease back: a retry in this process must not find it held
             raise
 
-    def _acquire_lease(self, takeover: bool, timeout_s: float) -> RootLease | None:
-        """The root's lease, held by the coordinator; every rank raises if it is refused."""
-        lease, error = None, None
-        if self.is_coordinator:
-            try:  # whatever fails here, the other ranks must hear of it (not hang)
-                lease = RootLease(self.backend.lease_store(
-                    self.backend.join(self.root, LEASE_DIR)), timeout_s=timeout_s)
-                lease.acquire(takeover=takeover)
-            except Exception as e:
-                error = e
-        if self._dist:
-            said = [None if error is None else str(error)]
-            dist.broadcast_object_list(said, src=self._src, group=self._ctl)
-            if said[0] is not None and error is None:
-                error = LeaseHeldError(f"rank 0 of this job could not take the lease of "
-                                       f"{self.root}: {said[0]}")
-        if error is not None:
-            raise error
-        return lease
+    @property
+    def backend(self) -> Backend:
+        """The storage backend of the root (chosen by its URL scheme)."""
+        return self._checkpoints.backend
 
-    def _lease_held(self) -> bool:
-        """Whether this coordinator may still change the root (checks the store)."""
-        if self._lease is None:
-            return False
-        try:
-            self._lease.check()
-            return True
-        except LeaseLostError as e:
-            log.error("%s", e)
-        except Exception as e:  # the lease store is unreachable: change nothing
-            log.warning("%s: cannot check the root's lease (%s); leaving the root as it is",
-                        self.root, e)
-        return False
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._checkpoints.backend = backend
 
     @property
     def took_over(self) -> str | None:
@@ -258,12 +227,14 @@ class CheckpointManager:
                 return None
             wait_futures([prev.done])
         t_start = self.clock()
-        path = self.backend.join(self.root, step_dirname(step))
+        path = self._checkpoints.path(step)
         handle = SaveHandle(step, path, started_at=t_start, waited_s=t_start - t0)
         self._phase("stage", step)
         try:
             fence = self._lease.check if self._lease is not None else None
-            writer = self.backend.writer(path, {**self.writer_options, "fence": fence})
+            writer = self.backend.writer(path, {**self.writer_options.kwargs(), "fence": fence})
+            # without a process group DCP's upload thread warns (by default once per process)
+            # that torch.distributed is disabled: hiding it there takes a process-wide filter
             resp = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                   async_stager=self._stager, process_group=self._group,
                                   no_dist=not self._dist)
@@ -280,13 +251,13 @@ class CheckpointManager:
         else:  # a stager that stages synchronously
             staged, upload = Future(), resp
             staged.set_result(None)
-        staged.add_done_callback(lambda f: self._on_staged(handle, f))
+        staged.add_done_callback(lambda f: self._finish.staged(handle, f))
         self._inflight = self._staging = handle
         if not self._guarded:
             wait_futures([staged])
         handle.blocking_s = self.clock() - t0
         self._iter_checkpoint_s += handle.blocking_s
-        self._post.submit(self._complete, handle, upload)
+        self._post.submit(self._finish.complete, handle, upload)
         return handle
 
     def maybe_save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
@@ -317,13 +288,12 @@ class CheckpointManager:
 
     def list(self) -> _List[CheckpointInfo]:
         """Committed checkpoints under the root, oldest first."""
-        steps = sorted(s for s, committed in self._scan() if committed)
-        return [CheckpointInfo(s, self._path(s)) for s in steps]
+        return [CheckpointInfo(s, self._checkpoints.path(s))
+                for s in sorted(self._checkpoints.committed())]
 
     def latest_step(self) -> int | None:
         """The step the ``latest`` pointer names (advanced only after a commit)."""
-        data = self.backend.read(self.backend.join(self.root, POINTER_NAME))
-        return None if data is None else decode_pointer(data)
+        return self._checkpoints.latest_step()
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
         """Load, in place, the newest checkpoint that is committed, verified and loadable by
@@ -335,33 +305,11 @@ class CheckpointManager:
         """
         self._check_open("load_latest")
         self.wait()
-        local = [s for s, committed in self._scan() if committed]
-        candidates = set(local)
-        if self._dist:
-            gathered: _List[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, local, group=self._ctl)
-            candidates = {s for steps in gathered for s in steps}
-        for step in sorted(candidates, reverse=True):
-            path = self._path(step)
-            problems = self._check_loadable(step, path, step in local)
-            if problems:
-                log.warning("rank %d cannot load step %d: %s", self.rank, step,
-                            "; ".join(problems[:3]))
-            if not self._everyone(not problems):
-                log.warning("skipping step %d: not every rank can load it", step)
-                continue
-            try:
-                dcp.load(state, storage_reader=self.backend.reader(path, self.reader_options),
-                         planner=SafeLoadPlanner(), process_group=self._group,
-                         no_dist=not self._dist)
-            except (Exception, CheckpointException) as e:  # DCP's is a BaseException; it
-                # is raised on every rank when any rank failed
-                log.warning("loading step %d from %s failed, trying an older one: %s",
-                            step, path, e)
-                continue
-            log.info("resumed from step %d (%s)", step, path)
-            return step
-        return None
+        options = self.reader_options.kwargs()
+        return load_newest(self._checkpoints, state,
+                           reader=lambda path: self.backend.reader(path, options),
+                           verify=self.verify_on_load, ctl=self._ctl, group=self._group,
+                           rank=self.rank)
 
     # -- life cycle -----------------------------------------------------------------------
 
@@ -404,9 +352,6 @@ class CheckpointManager:
                                 f"{self.root}); the root's writer is the process holding its "
                                 "lease")
 
-    def _path(self, step: int) -> str:
-        return self.backend.join(self.root, step_dirname(step))
-
     def _phase(self, phase: str, step: int) -> None:
         if self.on_phase is not None:
             self.on_phase(phase, step)
@@ -415,77 +360,9 @@ class CheckpointManager:
         """The policy's answer; in a job, rank 0's answer for every rank (a broadcast), unless
         the policy depends on the step alone."""
         want = self.policy.should_save(step)
-        if not self._dist or isinstance(self.policy, EveryN):
+        if self._ctl is None or isinstance(self.policy, EveryN):
             return want
-        flag = torch.tensor([1 if want else 0], dtype=torch.int32)
-        dist.broadcast(flag, src=self._src, group=self._ctl)
-        return bool(flag.item())
-
-    def _everyone(self, ok: bool) -> bool:
-        if not self._dist:
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._ctl)
-        return bool(flag.item())
-
-    def _check_loadable(self, step: int, path: str, listed: bool) -> _List[str]:
-        if not listed or not self.backend.is_committed(path):
-            return [f"{path}: not committed here"]
-        return self.backend.verify(path) if self.verify_on_load else []
-
-    def _scan(self) -> _List[tuple[int, bool]]:
-        out = []
-        for name in self.backend.listdir(self.root):
-            step = parse_step(name)
-            if step is not None:
-                out.append((step, self.backend.is_committed(self._path(step))))
-        return out
-
-    def _clean_uncommitted(self) -> _List[str]:
-        """Remove step directories without a commit record (left by a crash)."""
-        removed = []
-        for step, committed in self._scan():
-            if committed:
-                continue
-            path = self._path(step)
-            try:
-                self.backend.remove_tree(path)
-            except OSError as e:
-                log.warning("could not remove uncommitted checkpoint %s: %s", path, e)
-                continue
-            log.warning("removed uncommitted checkpoint %s (a save interrupted by a crash)", path)
-            removed.append(path)
-        for name in self.backend.listdir(self.root):
-            if name.startswith(POINTER_NAME + ".") and name.endswith(".tmp"):
-                try:
-                    os.unlink(self.backend.join(self.root, name))
-                except OSError:
-                    pass
-        return removed
-
-    def _repair_pointer(self) -> None:
-        committed = [s for s, c in self._scan() if c]
-        newest = max(committed, default=None)
-        if newest is not None and self.latest_step() != newest:
-            log.warning("'latest' pointer said %s, newest committed is step %d: fixed",
-                        self.latest_step(), newest)
-            self._write_pointer(newest)
-
-    def _write_pointer(self, step: int) -> None:
-        try:
-            self.backend.write_atomic(self.backend.join(self.root, POINTER_NAME),
-                                      encode_pointer(step))
-        except OSError as e:
-            log.warning("checkpoint step %d is committed but the 'latest' pointer could not be "
-                        "advanced: %s", step, e)
-
-    def _on_staged(self, handle: SaveHandle, f: Future[Any]) -> None:
-        handle.staged_at = self.clock()
-        e = f.exception()
-        if e is None:
-            handle.staged.set_result(None)
-        else:
-            handle.staged.set_exception(save_error(handle.step, handle.path, e, "staging"))
+        return self._ctl.rank0_decides(want)
 
     def _pre_step(self, *_: Any) -> None:
         t0 = self.clock()
@@ -505,66 +382,3 @@ class CheckpointManager:
         if self._update_t0 is not None:
             self._iter_update_s = (self._iter_update_s or 0.0) + self.clock() - self._update_t0
             self._update_t0 = None
-
-    def _complete(self, handle: SaveHandle, upload: Future[Any]) -> None:
-        """Manager thread: wait for the commit, then advance ``latest`` and run retention.
-
-        ``handle.done`` is resolved on every path, and only once the persist has ended.
-        """
-        step = handle.step
-        try:
-            wait_futures([handle.staged])
-            self._phase("persist", step)
-            wait_futures([upload])
-            failure = upload.exception()
-            if failure is not None:
-                self._failed(handle, failure)
-                return
-            done_at = self.clock()
-            self._phase("commit", step)
-            if self.is_coordinator and self._lease_held():
-                self._write_pointer(step)
-                self._retain()
-            stats = handle.stats(True, done_at)
-            self._record(stats)
-            self._phase("done", step)
-            handle.done.set_result(stats)
-        except BaseException as e:  # a hook or the bookkeeping failed: still resolve done
-            wait_futures([upload])
-            if not handle.done.done():
-                self._failed(handle, e)
-
-    def _failed(self, handle: SaveHandle, failure: BaseException) -> None:
-        err = save_error(handle.step, handle.path, failure, "persisting")
-        log.error("%s", err)
-        try:
-            if (self.is_coordinator and not self.backend.is_committed(handle.path)
-                    and self._lease_held()):  # a fenced manager deletes nothing
-                self.backend.remove_tree(handle.path)
-        except FileNotFoundError:
-            pass
-        except Exception as rm:  # storage down as well: the next holder's start cleans up
-            log.warning("could not remove the failed checkpoint %s: %s", handle.path, rm)
-        finally:
-            self._record(handle.stats(False, self.clock()))
-            if not handle.done.done():
-                handle.done.set_exception(err)
-
-    def _record(self, stats: SaveStats) -> None:
-        with self._lock:
-            self.history.append(stats)
-            if len(self.history) > self.history_size:
-                del self.history[0]
-        self._completed.append(stats)
-
-    def _retain(self) -> None:
-        committed = [s for s, c in self._scan() if c]
-        for step in to_remove(committed, self.keep_last, self.keep_every):
-            path = self._path(step)
-            try:
-                self.backend.uncommit(path)
-                self._phase("retention", step)
-                self.backend.remove_tree(path)
-                log.info("retention removed checkpoint step %d (%s)", step, path)
-            except OSError as e:
-                log.warning("retention could not remove %s: %s", path, e)

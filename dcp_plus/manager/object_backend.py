@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from dcp_plus.errors import DcpPlusError
 from dcp_plus.format.record import RECORD_NAME, decode_record
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
+from dcp_plus.manager.options import ObjectStoreReaderOptions, ObjectStoreWriterOptions
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
 
 
@@ -21,6 +22,9 @@ class ObjectStoreBackend:
     There are no directories or renames: a checkpoint exists iff its ``.metadata`` object
     does, and the ``latest`` pointer is one PUT (atomic on object stores).
     """
+
+    writer_options = ObjectStoreWriterOptions
+    reader_options = ObjectStoreReaderOptions
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
         self.storage_options = dict(storage_options or {})

@@ -19,11 +19,19 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from dcp_plus.errors import DcpPlusError
 from dcp_plus.format.record import RECORD_NAME
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
+from dcp_plus.manager.options import LocalReaderOptions, LocalWriterOptions
 from dcp_plus.storage.fileio import atomic_create, atomic_write, fsync_dir, read_regular
+from dcp_plus.storage.urls import is_url
 
 
 class Backend(Protocol):
     """What the manager needs from a storage location."""
+
+    writer_options: type[Any]
+    """The settings class of its writer (e.g. ``LocalWriterOptions``): ``writer()`` takes
+    that class's ``kwargs()`` (and ``fence``)."""
+    reader_options: type[Any]
+    """Likewise for its reader."""
 
     def join(self, root: str, name: str) -> str: ...
     def writer(self, path: str, options: Mapping[str, Any]) -> StorageWriter: ...
@@ -78,6 +86,9 @@ class FileLeaseStore:
 
 class LocalBackend:
     """A local or mounted directory: :class:`~dcp_plus.LocalWriter` / ``LocalReader``."""
+
+    writer_options = LocalWriterOptions
+    reader_options = LocalReaderOptions
 
     def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
         if storage_options:
@@ -155,14 +166,15 @@ _SCHEMES: dict[str, BackendFactory] = {
 
 
 def register_scheme(scheme: str, factory: BackendFactory) -> None:
-    """Make roots ``scheme://...`` use the backend ``factory(storage_options)`` builds."""
+    """Make roots ``scheme://...`` use the backend ``factory(storage_options)`` builds (a
+    :class:`Backend`: it names the settings classes of its writer and reader)."""
     _SCHEMES[scheme] = factory
 
 
 def split_root(root: str | os.PathLike) -> tuple[str, str]:
     """``(scheme, location)``: ``file:///x`` -> ``("file", "/x")``, ``./x`` -> ``("", "./x")``."""
     text = os.fspath(root)
-    if "://" not in text:
+    if not is_url(text):
         return "", text
     scheme, rest = text.split("://", 1)
     if scheme == "file":

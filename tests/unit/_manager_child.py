@@ -124,7 +124,7 @@ class Killer:
 def main(root: str, spec_path: str, out: str) -> int:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    from dcp_plus.manager import CheckpointManager
+    from dcp_plus.manager import CheckpointManager, LocalWriterOptions
     from dcp_plus.schedule import EveryN
     from tests.conftest import assert_bit_exact
 
@@ -133,7 +133,7 @@ def main(root: str, spec_path: str, out: str) -> int:
     killer = Killer(root, spec["kills"], out)
     manager = CheckpointManager(root, keep_last=spec["keep_last"],
                                 interval=EveryN(spec["every"]), on_phase=killer,
-                                writer_options={"workers": 2}, takeover=True)
+                                writer_options=LocalWriterOptions(workers=2), takeover=True)
     model, opt, ballast = build()
     # a scratch load target: get_state_dict() of a fresh optimizer takes a zero-lr step
     scratch_model, scratch_opt, scratch_ballast = build(seed=1)

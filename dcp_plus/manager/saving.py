@@ -1,0 +1,106 @@
+"""The background half of a managed save: wait for the persist, then commit the bookkeeping
+(``latest``, retention) or clean up, and resolve the handle."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any
+
+from dcp_plus.manager.handle import SaveHandle, save_error
+from dcp_plus.manager.root import CheckpointRoot
+from dcp_plus.schedule import SaveStats
+
+log = logging.getLogger(__name__)
+
+
+class SaveHistory:
+    """Stats of finished saves: ``items``, the last ``size`` (oldest first), and ``unread``,
+    those the interval policy has not been told of yet (bounded as well, for a caller that
+    never calls ``maybe_save``, which drains it)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: list[SaveStats] = []
+        self.unread: deque[SaveStats] = deque(maxlen=size)
+        self._lock = threading.Lock()
+
+    def record(self, stats: SaveStats) -> None:
+        with self._lock:
+            self.items.append(stats)
+            if len(self.items) > self.size:
+                del self.items[0]
+        self.unread.append(stats)
+
+
+@dataclass(eq=False)
+class Completion:
+    """Finishes saves on the manager's thread."""
+
+    root: CheckpointRoot
+    history: SaveHistory
+    """Where each save's stats go."""
+    clock: Callable[[], float]
+    phase: Callable[[str, int], None]
+    """``phase(name, step)``: the manager's phase hook."""
+    coordinator: bool
+    """Whether this rank changes the root (advances ``latest``, retention, removes a failed
+    save)."""
+    lease_held: Callable[[], bool]
+    """Asked before each change (a fenced manager changes nothing)."""
+    keep_last: int | None
+    keep_every: int | None
+
+    def staged(self, handle: SaveHandle, f: Future[Any]) -> None:
+        """Callback of the snapshot's future."""
+        handle.staged_at = self.clock()
+        e = f.exception()
+        if e is None:
+            handle.staged.set_result(None)
+        else:
+            handle.staged.set_exception(save_error(handle.step, handle.path, e, "staging"))
+
+    def complete(self, handle: SaveHandle, upload: Future[Any]) -> None:
+        """Wait for the commit, then advance ``latest`` and run retention.
+
+        ``handle.done`` is resolved on every path, and only once the persist has ended.
+        """
+        step = handle.step
+        try:
+            wait_futures([handle.staged])
+            self.phase("persist", step)
+            wait_futures([upload])
+            failure = upload.exception()
+            if failure is not None:
+                self.failed(handle, failure)
+                return
+            done_at = self.clock()
+            self.phase("commit", step)
+            if self.coordinator and self.lease_held():
+                self.root.write_pointer(step)
+                self.root.retain(self.keep_last, self.keep_every,
+                                 lambda s: self.phase("retention", s))
+            stats = handle.stats(True, done_at)
+            self.history.record(stats)
+            self.phase("done", step)
+            handle.done.set_result(stats)
+        except BaseException as e:  # a hook or the bookkeeping failed: still resolve done
+            wait_futures([upload])
+            if not handle.done.done():
+                self.failed(handle, e)
+
+    def failed(self, handle: SaveHandle, failure: BaseException) -> None:
+        err = save_error(handle.step, handle.path, failure, "persisting")
+        log.error("%s", err)
+        try:
+            if self.coordinator:  # a fenced manager deletes nothing
+                self.root.remove_failed(handle.path, self.lease_held)
+        finally:
+            self.history.record(handle.stats(False, self.clock()))
+            if not handle.done.done():
+                handle.done.set_exception(err)
