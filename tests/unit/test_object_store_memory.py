@@ -31,6 +31,7 @@ from dcp_plus.storage.objectio import (
     plan_requests,
 )
 from dcp_plus.storage.retry import RetryPolicy, is_retryable, retry_sync
+from tools.testkit.exact import assert_bit_exact
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 KiB, MiB = 1 << 10, 1 << 20
@@ -50,21 +51,10 @@ def state() -> dict[str, Any]:
 
 
 def blank(sd: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items()
-                           if isinstance(v, torch.Tensor)}
+    """A load target for ``sd``, in its key order: zeroed tensors, blank values."""
     placeholders = {"step": 0, "cfg": {"name": "", "betas": [0.0, 0.0]}}
-    out.update({k: v for k, v in placeholders.items() if k in sd})
-    return out
-
-
-def assert_bit_exact(expected: dict[str, Any], actual: dict[str, Any]) -> None:
-    for k, v in expected.items():
-        if isinstance(v, torch.Tensor):
-            assert actual[k].dtype == v.dtype and actual[k].shape == v.shape, k
-            assert torch.equal(actual[k].contiguous().view(torch.uint8),
-                               v.contiguous().view(torch.uint8)), k
-        else:
-            assert actual[k] == v, k
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else placeholders[k]
+            for k, v in sd.items()}
 
 
 @pytest.fixture
@@ -84,7 +74,7 @@ def test_round_trip_is_bit_exact(url: str) -> None:
     dcp.load(out, storage_reader=ObjectStoreReader(url, range_size=64 * KiB,
                                                    coalesce_gap=4 * KiB),
              planner=SafeLoadPlanner())
-    assert_bit_exact(sd, out)
+    assert_bit_exact(out, sd)
     names = set(objects(url))
     assert ".metadata" in names and all(
         n.startswith("__0_") and n.endswith(".dcpp") for n in names - {".metadata"})
@@ -96,7 +86,7 @@ def test_round_trip_through_file_url(tmp_path: Any) -> None:
     dcp.save(sd, storage_writer=ObjectStoreWriter(url))
     out = blank(sd)
     dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner())
-    assert_bit_exact(sd, out)
+    assert_bit_exact(out, sd)
 
 
 def test_flipped_byte_is_reported_with_tensor_name(url: str) -> None:
@@ -285,7 +275,7 @@ def test_zstd_codecs_round_trip_per_pattern_and_store_less(url: str) -> None:
     assert by_fqn["zeros"].length < by_fqn["zeros"].raw_length // 100
     out = blank(sd)
     dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner())
-    assert_bit_exact(sd, out)
+    assert_bit_exact(out, sd)
 
 
 def test_flipped_byte_in_compressed_extent_is_reported_before_decoding(url: str) -> None:
@@ -317,7 +307,6 @@ def test_zstd_frames_decode_independently_and_reject_bad_input(shuffle: bool) ->
 
 @pytest.mark.parametrize("codec", ["identity", "zstd", "zstd+shuffle"])
 def test_every_dtype_and_layout_round_trips_bit_exact(url: str, codec: str) -> None:
-    from tests.conftest import assert_bit_exact as exact
     from tests.conftest import build_state_dict, load_target
 
     sd = build_state_dict(seed=11)
@@ -325,7 +314,7 @@ def test_every_dtype_and_layout_round_trips_bit_exact(url: str, codec: str) -> N
     out = load_target(sd)
     dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner(),
              no_dist=True)
-    exact(out, sd)
+    assert_bit_exact(out, sd)
     md = ObjectStoreReader(url).read_metadata()
     assert md.storage_meta is not None and md.storage_meta.checkpoint_id == url
     assert all(n.split(".")[1] == md.storage_meta.save_id
