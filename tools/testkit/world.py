@@ -98,7 +98,8 @@ def assert_case_ok(results: dict[str, dict[str, Any]], name: str) -> list[Any]:
 @contextlib.contextmanager
 def single_rank_world() -> Iterator[None]:
     """A 1-rank gloo group in this process (``async_save`` with the PROCESS executor needs
-    one); an existing group is used as it is. On exit DCP's checkpoint daemon, if one was
+    one); an existing group is used as it is. MASTER_ADDR/MASTER_PORT are set meanwhile (the
+    PROCESS executor's daemon reads MASTER_ADDR). On exit DCP's checkpoint daemon, if one was
     started, is stopped before the group goes."""
     import torch.distributed as dist
 
@@ -106,8 +107,8 @@ def single_rank_world() -> Iterator[None]:
         yield
         return
     port = free_port()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(port)
+    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     try:
@@ -115,6 +116,11 @@ def single_rank_world() -> Iterator[None]:
     finally:
         stop_process_executor()
         dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def stop_process_executor() -> None:
