@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/dcp-plus demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check dcp_plus tests benchmarks
+	$(VENV)/bin/ruff check dcp_plus tests benchmarks tools
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

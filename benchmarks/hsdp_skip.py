@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tests.dist._planner_world import run_world
+from tools.testkit.world import run_ranks
 
 MODES = ("copy all", "skip")
 
@@ -47,7 +47,7 @@ def hsdp_state_dict(size_gib: float, mesh: Any) -> dict[str, Any]:
     from dcp_plus.cli.bench.models import (
         MOMENT_DTYPE,
         PARAM_DTYPE,
-        _param_groups,
+        adamw_param_groups,
         shape_for_size,
     )
 
@@ -68,7 +68,7 @@ def hsdp_state_dict(size_gib: float, mesh: Any) -> dict[str, Any]:
         model[fqn] = hsdp(s, PARAM_DTYPE)
         state[fqn] = {"step": torch.tensor(0.0), "exp_avg": hsdp(s, MOMENT_DTYPE),
                       "exp_avg_sq": hsdp(s, MOMENT_DTYPE)}
-    return {"model": model, "optim": {"state": state, "param_groups": _param_groups(shape)}}
+    return {"model": model, "optim": {"state": state, "param_groups": adamw_param_groups(shape)}}
 
 
 def _worker(rank: int, world: int, size_gib: float, saves: int) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     before = _loadavg()
     t0 = time.perf_counter()
-    per_rank = run_world(4, _worker, args.size_gib, args.saves, timeout=1800)
+    per_rank = run_ranks(4, _worker, args.size_gib, args.saves, timeout=1800)
     after = _loadavg()
     print(f"# machine: {platform.node()}, {os.cpu_count()} cores, torch {torch.__version__}; "
           f"load average before {before}, after {after}; {time.perf_counter() - t0:.0f} s")

@@ -27,7 +27,8 @@ def main() -> None:
     import nfs_rs
 
     from dcp_plus import NFSReader, NFSWriter, SafeLoadPlanner
-    from tests.dist._ganesha import GaneshaServer, ganesha_binary
+    from tools.testkit.exact import assert_bit_exact
+    from tools.testkit.ganesha import GaneshaServer, ganesha_binary
 
     binary = ganesha_binary()
     if binary is None:
@@ -63,7 +64,7 @@ def main() -> None:
             dcp.load(out, storage_reader=NFSReader(target), planner=SafeLoadPlanner(),
                      no_dist=True)
             rows["NFSReader load"].append(nbytes / (time.perf_counter() - t) / 1e6)
-            assert all(torch.equal(out[k], sd[k]) for k in sd)
+            assert_bit_exact(out, sd)
         client.close()
     finally:
         server.stop()

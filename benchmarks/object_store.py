@@ -437,7 +437,7 @@ def main() -> None:
         opts: dict[str, Any] = {"endpoint_url": a.endpoint, "key": a.key, "secret": a.secret}
         server = Server(None, None, None)
     else:
-        from tests.dist._seaweed import SeaweedServer, weed_binary
+        from tools.testkit.seaweed import SeaweedServer, weed_binary
 
         binary = weed_binary()
         if binary is None:

@@ -70,7 +70,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from dcp_plus.cli.bench.machine import ForeignCpu, load1, machine
 from dcp_plus.planners.cached_save import CachedSavePlanner
 from dcp_plus.writers import LocalWriter
-from tests.dist._planner_world import CollectiveBytes, run_world, save_phases
+from tools.testkit.collectives import CollectiveBytes, save_phases
+from tools.testkit.world import run_ranks
 
 log = logging.getLogger("benchmarks.planner")
 
@@ -214,7 +215,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         load_before = load1()
         t0 = time.perf_counter()
         with ForeignCpu() as fc:
-            per_rank = run_world(cfg["ranks"], _worker, cfg, root, timeout=1800)
+            per_rank = run_ranks(cfg["ranks"], _worker, cfg, root, timeout=1800)
         wall = time.perf_counter() - t0
     merged: dict[str, list[dict[str, Any]]] = {}
     for name in cfg["planners"]:

@@ -21,7 +21,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -47,6 +45,7 @@ from dcp_plus import LocalWriter
 from dcp_plus.cli.bench.limits import MemcpyLimit
 from dcp_plus.format.layout import align_up
 from dcp_plus.stagers import ArenaStager
+from tools.testkit.world import single_rank_world
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -422,12 +421,6 @@ def part_b(
             stager.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gib", type=float, default=2.0)
@@ -445,31 +438,25 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
     print(
         f"# machine: {platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, "
         f"torch threads {torch.get_num_threads()}"
     )
     out_dir = tempfile.mkdtemp(prefix="dcpp-bench-", dir=os.path.expanduser("~"))
     try:
-        if not args.skip_a:
-            part_a(args.size_gib, args.saves)
-        if not args.skip_b:
-            part_b(
-                args.params_m,
-                args.steps,
-                out_dir,
-                tuple(int(e) for e in args.every.split(",")),
-                tuple(o for o in args.only.split(",") if o),
-            )
+        with single_rank_world():
+            if not args.skip_a:
+                part_a(args.size_gib, args.saves)
+            if not args.skip_b:
+                part_b(
+                    args.params_m,
+                    args.steps,
+                    out_dir,
+                    tuple(int(e) for e in args.every.split(",")),
+                    tuple(o for o in args.only.split(",") if o),
+                )
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-        from torch.distributed.checkpoint import _async_process_executor as ape
-
-        ape._CHECKPOINT_PROCESS = None
-        dist.destroy_process_group()
     sys.stdout.flush()
     # A stock DCP PROCESS save whose daemon died leaves an executor thread waiting forever
     # (seen with DefaultStager(F,T,T,F) + FileSystemWriter at 1.2 GB): do not hang on exit.

@@ -1,7 +1,7 @@
 """Save blocking time in a real TorchTitan loop: TorchTitan's async modes vs dcp_plus.
 
 Runs the CPU test recipe (llama3 debug model, FSDP over 2 gloo ranks; see
-``tests/dist/_titan_recipe.py`` and the shims in ``tests/dist/_titan_rank.py``) once per mode,
+``tools/testkit/titan/recipe.py`` and the shims in ``tools/testkit/titan/rank.py``) once per mode,
 all in one invocation, and reports per save the time ``CheckpointManager.save()`` held the
 loop plus the time the next ``maybe_wait_for_staging()`` (before ``optimizer.step()``) waited,
 the slower rank of each save counted::
@@ -20,8 +20,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from tests.dist._titan_assets import make_dataset, make_tokenizer
-from tests.dist._titan_run import log_tail, run_titan
+from tools.testkit.titan.assets import make_dataset, make_tokenizer
+from tools.testkit.titan.run import log_tail, run_titan
 
 MODES = {
     "torchtitan async": ("stock_cpu", ["--checkpoint.async_mode", "async"]),
@@ -52,7 +52,7 @@ def main() -> None:
         config, extra = MODES[mode]
         name = f"m{i}"
         saves = root / f"{name}.saves.jsonl"
-        cmd = ["--module", "tests.dist._titan_recipe", "--config", config,
+        cmd = ["--module", "tools.testkit.titan.recipe", "--config", config,
                "--hf_assets_path", str(tok), "--dataloader.dataset_path", str(data),
                "--dump_folder", str(root / name), "--training.steps", str(args.steps),
                "--checkpoint.interval", str(args.interval), "--checkpoint.keep_latest_k", "3",

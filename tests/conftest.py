@@ -1,8 +1,10 @@
-"""Shared test helpers: state-dict builders, bit-exact equality, save/load shorthands,
-shared-memory slabs, record editing and process polling.
+"""Shared test helpers: state-dict builders, save/load shorthands, shared-memory slabs,
+record editing and process polling.
 
 Plain functions are importable (``from tests.conftest import build_state_dict``) by test
-modules and by the child processes that crash tests spawn; fixtures are below them.
+modules and by the child processes that crash tests spawn; fixtures are below them. What
+benchmarks use too (free ports, worlds, bit-exact equality) lives in :mod:`tools.testkit`;
+``assert_bit_exact`` and ``free_port`` are importable from here as well.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import collections
 import contextlib
 import json
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,9 @@ from typing import Any
 
 import pytest
 import torch
+
+from tools.testkit.exact import assert_bit_exact as assert_bit_exact
+from tools.testkit.ports import free_port as free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER_MODULE = b"dcp_plus.writers.worker"
@@ -110,32 +114,6 @@ def _placeholder(value: Any) -> Any:
 def load_target(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Same structure as ``state_dict`` with zeroed tensors and blank plain values."""
     return _placeholder(state_dict)
-
-
-def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def assert_bit_exact(actual: Any, expected: Any, path: str = "") -> None:
-    """Structures equal; tensors of equal dtype and shape with identical bytes."""
-    where = path or "<root>"
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{where}: {type(actual).__name__} not a tensor"
-        assert actual.dtype == expected.dtype, f"{where}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, f"{where}: shape {actual.shape} != {expected.shape}"
-        assert torch.equal(tensor_bytes(actual), tensor_bytes(expected)), f"{where}: bytes differ"
-    elif isinstance(expected, dict):
-        assert isinstance(actual, dict), f"{where}: {type(actual).__name__} not a dict"
-        assert list(actual) == list(expected), f"{where}: keys {list(actual)} != {list(expected)}"
-        for k in expected:
-            assert_bit_exact(actual[k], expected[k], f"{path}.{k}" if path else str(k))
-    elif isinstance(expected, list):
-        assert isinstance(actual, list) and len(actual) == len(expected), f"{where}: {actual!r}"
-        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            assert_bit_exact(a, e, f"{path}[{i}]")
-    else:
-        assert type(actual) is type(expected) and actual == expected, (
-            f"{where}: {actual!r} != {expected!r}")
 
 
 def clone_state(value: Any) -> Any:
@@ -362,12 +340,6 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env() -> dict[str, str]:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.dist._seaweed import BUCKET, SeaweedServer, weed_binary
+from tools.testkit.seaweed import BUCKET, SeaweedServer, weed_binary
 
 
 @pytest.fixture(scope="session")

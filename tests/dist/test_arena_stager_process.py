@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_plus.stagers import ArenaStager
+from tools.testkit import world
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -19,22 +20,10 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def single_rank_world():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(_free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    from torch.distributed.checkpoint import _async_process_executor as ape
-
-    ape._CHECKPOINT_PROCESS = None  # its __del__ stops the daemon
-    dist.destroy_process_group()
+    with world.single_rank_world():
+        yield
 
 
 def test_process_executor_saves_each_step_from_the_same_slabs(single_rank_world, tmp_path):

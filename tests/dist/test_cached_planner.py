@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from dcp_plus.planners import cache as cache_module
 from dcp_plus.planners.cached_save import CachedSavePlanner
 from dcp_plus.writers import LocalWriter
-from tests.dist._planner_world import CollectiveBytes, run_world, save_phases
+from tools.testkit.collectives import CollectiveBytes, save_phases
+from tools.testkit.world import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -318,12 +319,12 @@ def _world4(rank: int, world: int, root: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_world(2, _world2, str(tmp_path_factory.mktemp("w2")))
+    return run_ranks(2, _world2, str(tmp_path_factory.mktemp("w2")))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_world(4, _world4, str(tmp_path_factory.mktemp("w4")))
+    return run_ranks(4, _world4, str(tmp_path_factory.mktemp("w4")))
 
 
 def _o1(phases: dict[str, int]) -> list[int]:

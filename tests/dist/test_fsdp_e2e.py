@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist._world import assert_case_ok, run_world
+from tools.testkit.world import assert_case_ok, run_world
 
 THIS = "tests.dist.test_fsdp_e2e"
 LAYOUTS = {"fsdp": [4], "hsdp": [2, 2]}  # mesh shape at 4 ranks

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.dist._world import assert_case_ok, run_world
+from tools.testkit.world import assert_case_ok, run_world
 
 THIS = "tests.dist.test_hsdp_skip"
 WIDTH = 64

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import ROOT, child_env, free_port, record_path, wait_until
-from tests.dist._world import assert_case_ok, run_world
+from tools.testkit.world import assert_case_ok, run_world
 
 THIS = "tests.dist.test_manager_dist"
 

@@ -23,8 +23,8 @@ from dcp_plus import CheckpointExistsError, NFSReader, NFSWriter, SafeLoadPlanne
 from dcp_plus.storage.nfsio import NfsStore
 from dcp_plus.readers import latest_committed, list_committed
 from tests.conftest import assert_bit_exact, build_state_dict, flip_byte, load_target
-from tests.dist._ganesha import GaneshaServer, ganesha_binary
-from tests.dist._world import assert_case_ok, run_world
+from tools.testkit.ganesha import GaneshaServer, ganesha_binary
+from tools.testkit.world import assert_case_ok, run_world
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]

@@ -33,7 +33,9 @@ from tests.conftest import (
 )
 from tests.dist._fault_proxy import FaultProxy
 from tests.dist._s3_kill_child import v_state
-from tests.dist._seaweed import BUCKET, SeaweedServer
+from tools.testkit.exact import assert_bit_exact
+from tools.testkit.seaweed import BUCKET, SeaweedServer
+from tools.testkit.world import run_ranks
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -54,20 +56,10 @@ def state() -> dict[str, Any]:
 
 
 def zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items()
-                           if isinstance(v, torch.Tensor)}
-    out.update(step=0, meta={"lr": 0.0, "name": ""})
-    return out
-
-
-def assert_bit_exact(expected: dict[str, Any], actual: dict[str, Any]) -> None:
-    for k, v in expected.items():
-        if isinstance(v, torch.Tensor):
-            assert actual[k].dtype == v.dtype and actual[k].shape == v.shape, k
-            assert torch.equal(actual[k].contiguous().view(torch.uint8),
-                               v.contiguous().view(torch.uint8)), k
-        else:
-            assert actual[k] == v, k
+    """A load target for ``sd``, in its key order: zeroed tensors, blank values."""
+    blanks = {"step": 0, "meta": {"lr": 0.0, "name": ""}}
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else blanks[k]
+            for k, v in sd.items()}
 
 
 def s3_client(server: SeaweedServer) -> Any:
@@ -110,8 +102,9 @@ def test_round_trip_is_bit_exact_with_multipart_and_ranged_reads(seaweed: Seawee
     data = [n for n in names if n != ".metadata"]
     assert data and all(n.startswith("__0_") and n.endswith(".dcpp") for n in data)
     # small ranges and gaps: many parallel ranged GETs, neighbours coalesced
-    assert_bit_exact(sd, load(url, seaweed.storage_options(), sd, range_size=1 * MiB,
-                              coalesce_gap=64 << 10, concurrency=4))
+    out = load(url, seaweed.storage_options(), sd, range_size=1 * MiB, coalesce_gap=64 << 10,
+               concurrency=4)
+    assert_bit_exact(out, sd)
 
 
 def test_flipped_byte_is_reported_with_tensor_name(seaweed: SeaweedServer, prefix: str) -> None:
@@ -188,8 +181,9 @@ def test_save_completes_bit_exact_through_resets_and_503s(seaweed: SeaweedServer
                                                       retry_max_delay=0.1))
         assert proxy.resets > 0 and proxy.errors > 0
         before = proxy.requests
-        assert_bit_exact(sd, load(url, opts, sd, range_size=1 * MiB, max_retries=10,
-                                  retry_base_delay=0.01, retry_max_delay=0.1))
+        out = load(url, opts, sd, range_size=1 * MiB, max_retries=10, retry_base_delay=0.01,
+                   retry_max_delay=0.1)
+        assert_bit_exact(out, sd)
         assert proxy.requests > before
     finally:
         proxy.close()
@@ -281,7 +275,7 @@ def test_slab_data_is_uploaded_by_the_worker_pool_bit_exact(seaweed: SeaweedServ
         assert worker_pids(), "no writer worker ran"
         out = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(out, storage_reader=ObjectStoreReader(url, opts), planner=SafeLoadPlanner())
-        assert_bit_exact(sd, out)
+        assert_bit_exact(out, sd)
 
 
 def test_worker_killed_mid_upload_fails_the_save_and_the_next_one_succeeds(
@@ -307,7 +301,7 @@ def test_worker_killed_mid_upload_fails_the_save_and_the_next_one_succeeds(
             dcp.save(sd, storage_writer=ObjectStoreWriter(url, opts, part_size=5 * MiB))
             out = {k: torch.zeros_like(v) for k, v in sd.items()}
             dcp.load(out, storage_reader=ObjectStoreReader(url, opts))
-            assert_bit_exact(sd, out)
+            assert_bit_exact(out, sd)
     finally:
         proxy.close()
 
@@ -323,21 +317,17 @@ def test_wrong_secret_fails_without_retrying(seaweed: SeaweedServer, prefix: str
 
 def test_two_gloo_ranks_save_per_rank_objects_and_one_record(seaweed: SeaweedServer,
                                                              prefix: str) -> None:
-    import torch.multiprocessing as mp
-
     from tests.dist._ranks import rank_state, save_two_ranks
-    from tests.dist._seaweed import free_ports
 
     url = f"s3://{BUCKET}/{prefix}"
-    (port,) = free_ports(1)
-    mp.spawn(save_two_ranks, args=(2, port, url, seaweed.storage_options()), nprocs=2)
+    run_ranks(2, save_two_ranks, url, seaweed.storage_options())
     names = keys(seaweed, prefix)
     assert ".metadata" in names
     assert {n.split("_")[2] for n in names if n.endswith(".dcpp")} == {"0", "1"}
     expected = {**rank_state(0), **rank_state(1)}
     out = {k: torch.zeros_like(v) for k, v in expected.items()}
     dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
-    assert_bit_exact(expected, out)
+    assert_bit_exact(out, expected)
 
 
 def test_zstd_shuffle_round_trip_over_multipart(seaweed: SeaweedServer, prefix: str) -> None:
@@ -347,7 +337,7 @@ def test_zstd_shuffle_round_trip_over_multipart(seaweed: SeaweedServer, prefix: 
                                                   part_size=5 * MiB, codec="zstd+shuffle"))
     md = ObjectStoreReader(url, seaweed.storage_options()).read_metadata()
     assert {e.codec for i, e in md.storage_data.items() if i.fqn == "big"} == {"zstd+shuffle"}
-    assert_bit_exact(sd, load(url, seaweed.storage_options(), sd, range_size=2 * MiB))
+    assert_bit_exact(load(url, seaweed.storage_options(), sd, range_size=2 * MiB), sd)
 
 
 def test_checkpoint_manager_on_s3_commits_retains_and_resumes(seaweed: SeaweedServer,
@@ -367,7 +357,7 @@ def test_checkpoint_manager_on_s3_commits_retains_and_resumes(seaweed: SeaweedSe
     out = zeros_like(states[3])
     with CheckpointManager(root, storage_options=seaweed.storage_options()) as m:
         assert m.load_latest(out) == 3
-    assert_bit_exact(states[3], out)
+    assert_bit_exact(out, states[3])
 
 
 def test_object_shrinking_or_server_failing_during_load_is_reported(seaweed: SeaweedServer,

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.dist._world import assert_case_ok, run_world
+from tools.testkit.world import assert_case_ok, run_world
 
 THIS = "tests.dist.test_reshard"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,

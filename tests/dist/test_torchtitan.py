@@ -3,7 +3,7 @@ checkpointing through dcp_plus: kill -9 mid-run, resume from the latest committe
 checkpoint, and the loss curve continues exactly: with TorchTitan's fixed interval, with the
 adaptive interval (``checkpoint.adaptive_budget``), and to a real S3 endpoint (SeaweedFS).
 
-CPU shims are listed in ``tests/dist/_titan_rank.py`` and ``docs/torchtitan.md``.
+CPU shims are listed in ``tools/testkit/titan/rank.py`` and ``docs/torchtitan.md``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ pytest.importorskip(
     reason="TorchTitan is not installed (pip install 'dcp-plus[torchtitan]', torchtitan==0.3.0)")
 pytest.importorskip("tokenizers", reason="TorchTitan's tokenizer needs `tokenizers`")
 
-from tests.dist._seaweed import BUCKET  # noqa: E402
-from tests.dist._titan_assets import make_dataset, make_tokenizer  # noqa: E402
-from tests.dist._titan_run import log_tail, run_titan  # noqa: E402
+from tools.testkit.seaweed import BUCKET  # noqa: E402
+from tools.testkit.titan.assets import make_dataset, make_tokenizer  # noqa: E402
+from tools.testkit.titan.run import log_tail, run_titan  # noqa: E402
 
 STEPS = 12
 INTERVAL = 3
@@ -47,7 +47,7 @@ def _committed_steps(folder: Path) -> list[int]:
 def _job(root: Path, name: str, config: str, dump: Path, extra: list[str],
          env: dict[str, str] | None = None) -> list[int]:
     """One 2-rank TorchTitan job on the module's tokenizer and dataset."""
-    args = ["--module", "tests.dist._titan_recipe", "--config", config,
+    args = ["--module", "tools.testkit.titan.recipe", "--config", config,
             "--hf_assets_path", str(root / "tokenizer"),
             "--dataloader.dataset_path", str(root / "data"),
             "--dump_folder", str(dump), "--training.steps", str(STEPS),

@@ -26,6 +26,7 @@ from dcp_plus.storage.http_errors import HTTP_ERRORS, is_retryable
 from dcp_plus.storage.objectio import open_store
 from dcp_plus.storage.ranged import ExtentFill, StoreConfig, assemble, part_bounds, plan_requests
 from dcp_plus.storage.retry import Retry, RetryPolicy
+from tools.testkit.exact import assert_bit_exact
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 KiB, MiB = 1 << 10, 1 << 20
@@ -45,21 +46,10 @@ def state() -> dict[str, Any]:
 
 
 def blank(sd: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: torch.zeros_like(v) for k, v in sd.items()
-                           if isinstance(v, torch.Tensor)}
+    """A load target for ``sd``, in its key order: zeroed tensors, blank values."""
     placeholders = {"step": 0, "cfg": {"name": "", "betas": [0.0, 0.0]}}
-    out.update({k: v for k, v in placeholders.items() if k in sd})
-    return out
-
-
-def assert_bit_exact(expected: dict[str, Any], actual: dict[str, Any]) -> None:
-    for k, v in expected.items():
-        if isinstance(v, torch.Tensor):
-            assert actual[k].dtype == v.dtype and actual[k].shape == v.shape, k
-            assert torch.equal(actual[k].contiguous().view(torch.uint8),
-                               v.contiguous().view(torch.uint8)), k
-        else:
-            assert actual[k] == v, k
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else placeholders[k]
+            for k, v in sd.items()}
 
 
 @pytest.fixture
@@ -79,7 +69,7 @@ def test_round_trip_is_bit_exact(url: str) -> None:
     dcp.load(out, storage_reader=ObjectStoreReader(url, range_size=64 * KiB,
                                                    coalesce_gap=4 * KiB),
              planner=SafeLoadPlanner())
-    assert_bit_exact(sd, out)
+    assert_bit_exact(out, sd)
     names = set(objects(url))
     assert ".metadata" in names and all(
         n.startswith("__0_") and n.endswith(".dcpp") for n in names - {".metadata"})
@@ -91,7 +81,7 @@ def test_round_trip_through_file_url(tmp_path: Any) -> None:
     dcp.save(sd, storage_writer=ObjectStoreWriter(url))
     out = blank(sd)
     dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner())
-    assert_bit_exact(sd, out)
+    assert_bit_exact(out, sd)
 
 
 def test_flipped_byte_is_reported_with_tensor_name(url: str) -> None:
@@ -280,7 +270,7 @@ def test_zstd_codecs_round_trip_per_pattern_and_store_less(url: str) -> None:
     assert by_fqn["zeros"].length < by_fqn["zeros"].raw_length // 100
     out = blank(sd)
     dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner())
-    assert_bit_exact(sd, out)
+    assert_bit_exact(out, sd)
 
 
 def test_flipped_byte_in_compressed_extent_is_reported_before_decoding(url: str) -> None:
@@ -312,7 +302,6 @@ def test_zstd_frames_decode_independently_and_reject_bad_input(shuffle: bool) ->
 
 @pytest.mark.parametrize("codec", ["identity", "zstd", "zstd+shuffle"])
 def test_every_dtype_and_layout_round_trips_bit_exact(url: str, codec: str) -> None:
-    from tests.conftest import assert_bit_exact as exact
     from tests.conftest import build_state_dict, load_target
 
     sd = build_state_dict(seed=11)
@@ -320,7 +309,7 @@ def test_every_dtype_and_layout_round_trips_bit_exact(url: str, codec: str) -> N
     out = load_target(sd)
     dcp.load(out, storage_reader=ObjectStoreReader(url), planner=SafeLoadPlanner(),
              no_dist=True)
-    exact(out, sd)
+    assert_bit_exact(out, sd)
     md = ObjectStoreReader(url).read_metadata()
     assert md.storage_meta is not None and md.storage_meta.checkpoint_id == url
     assert all(n.split(".")[1] == md.storage_meta.save_id

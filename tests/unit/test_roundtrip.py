@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -19,7 +18,6 @@ from tests.conftest import (
     clone_state,
     data_files,
     fill_pattern,
-    free_port,
     load,
     load_target,
     read_record_json,
@@ -28,20 +26,14 @@ from tests.conftest import (
     slab_state_dict,
     worker_pids,
 )
+from tools.testkit.world import single_rank_world
 
 
 @pytest.fixture(scope="module")
 def gloo_single_rank() -> Iterator[None]:
     """A 1-rank gloo group: ``async_save`` with the PROCESS executor needs an initialized one."""
-    if dist.is_initialized():
+    with single_rank_world():
         yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("threads", [1, 3])

@@ -94,7 +94,9 @@ def shape_for_size(size_bytes: float, layers: int = LAYERS) -> ModelShape:
     return best
 
 
-def _param_groups(shape: ModelShape) -> list[dict[str, Any]]:
+def adamw_param_groups(shape: ModelShape) -> list[dict[str, Any]]:
+    """AdamW's two parameter groups (decay, no decay) for ``shape``, as an optimizer
+    state dict lists them."""
     names = [n for n, _ in shape.params()]
     decay = [n for n in names if n.endswith(".weight") and ".ln_" not in n]
     no_decay = [n for n in names if n not in set(decay)]
@@ -132,7 +134,7 @@ def gpt2_like_state_dict(shape: ModelShape | None = None, *, size_gib: float = 2
         model[fqn] = w
         state[fqn] = {"step": torch.tensor(1000.0 if fill else 0.0), "exp_avg": m,
                       "exp_avg_sq": v}
-    return {"model": model, "optim": {"state": state, "param_groups": _param_groups(shape)}}
+    return {"model": model, "optim": {"state": state, "param_groups": adamw_param_groups(shape)}}
 
 
 def empty_like_state_dict(sd: Any) -> Any:

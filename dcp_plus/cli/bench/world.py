@@ -1,6 +1,7 @@
-"""``--ranks N``: the measurement in a spawned gloo world of N processes on 127.0.0.1.
+"""Where the measurement runs: a one-process gloo world here (``--ranks 1``) or a spawned
+world of N processes on 127.0.0.1 (``--ranks N``).
 
-Run as ``python -m dcp_plus.cli.bench.world SPEC RANK`` by :func:`measure_in_world` (the
+The spawned ranks run as ``python -m dcp_plus.cli.bench.world SPEC RANK`` by :func:`measure_in_world` (the
 ``__main__`` guard also protects the PROCESS executor, which spawns). Rank 0 shows the
 progress bar and writes the merged result; the other ranks log to files in the spec's folder.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,20 +23,45 @@ from dcp_plus.cli.bench.config import BenchConfig
 from dcp_plus.errors import DcpPlusError
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure_in_process(cfg: BenchConfig) -> dict[str, Any]:
+    """:func:`~dcp_plus.cli.bench.measure.measure` in a one-process gloo world (the PROCESS
+    executor needs a group); an existing group is used as it is."""
+    import torch.distributed as dist
+
+    from dcp_plus.cli.bench.measure import measure
+
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+    try:
+        res = measure(cfg)
+    finally:
+        if owns:
+            dist.destroy_process_group()
+    res["ranks"] = 1
+    return res
+
+
 def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
-    """Spawn ``cfg.ranks`` processes, run :func:`~dcp_plus.cli.bench.runner.measure` in each,
+    """Spawn ``cfg.ranks`` processes, run :func:`~dcp_plus.cli.bench.measure.measure` in each,
     return the merged result.
 
     Raises:
         DcpPlusError: a rank failed or the world outlived ``timeout`` (with every log tail).
     """
-    from dcp_plus.cli.bench.runner import _free_port
-
     with tempfile.TemporaryDirectory(prefix="dcpp-bench-world-") as tmp:
         spec = Path(tmp, "spec.json")
         fields = {k: getattr(cfg, k) for k in cfg.__slots__}  # type: ignore[attr-defined]
         spec.write_text(json.dumps({"config": fields, "world": cfg.ranks,
-                                    "port": _free_port(), "out": tmp}))
+                                    "port": free_port(), "out": tmp}))
         spec.chmod(0o600)  # storage options may hold credentials
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -70,7 +97,7 @@ def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
 def _main(spec_path: str, rank_arg: str) -> None:
     import torch.distributed as dist
 
-    from dcp_plus.cli.bench.runner import measure, merge_ranks
+    from dcp_plus.cli.bench.measure import measure, merge_ranks
 
     spec = json.loads(Path(spec_path).read_text())
     rank, world = int(rank_arg), int(spec["world"])

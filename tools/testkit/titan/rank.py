@@ -1,7 +1,7 @@
 """One TorchTitan rank on CPU: apply the CPU shims, then run TorchTitan's own ``train.main()``.
 
-Run as ``python -m tests.dist._titan_rank <torchtitan arguments>`` with RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (``tests.dist._titan_run`` does this).
+Run as ``python -m tools.testkit.titan.rank <torchtitan arguments>`` with RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (``tools.testkit.titan.run`` does this).
 
 Shims (TorchTitan 0.3.0 assumes an accelerator):
 * device detection: ``torch._utils._get_available_device_type`` answers ``"cpu"`` before
@@ -18,7 +18,7 @@ Shims (TorchTitan 0.3.0 assumes an accelerator):
   ``$DCPP_TITAN_LOSSES`` on rank 0; ``$DCPP_TITAN_SAVES`` gets each save's blocking time; ``$DCPP_TITAN_KILL_AT=N`` makes every rank SIGKILL itself
   when step N starts (a deterministic ``kill -9`` of the whole job).
 Attention (SDPA instead of FlexAttention), SUM reductions and the SPMD backend are set in
-the recipe ``tests.dist._titan_recipe``.
+the recipe ``tools.testkit.titan.recipe``.
 """
 
 from __future__ import annotations

@@ -10,17 +10,15 @@ the same temporary tree, so concurrent test sessions do not share state. Stopped
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 
-from tests.dist._server import ServerProcess
+from tools.testkit.ports import free_port
+from tools.testkit.server import ServerProcess
 
 PSEUDO = "export"
 START_TIMEOUT_S = 30.0
@@ -30,12 +28,6 @@ def ganesha_binary() -> str | None:
     return shutil.which("ganesha.nfsd") or next(
         (p for p in ("/usr/bin/ganesha.nfsd", "/usr/sbin/ganesha.nfsd") if os.access(p, os.X_OK)),
         None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 CONFIG = """
@@ -76,7 +68,7 @@ class GaneshaServer(ServerProcess):
         return self.base_dir
 
     def start(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         recovery = os.path.join(self.base_dir, "recovery")
         os.makedirs(self.export_dir)
         os.makedirs(recovery)

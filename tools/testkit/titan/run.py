@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tools.testkit.ports import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def run_titan(args: list[str], workdir: Path, *, world: int = 2, env: dict[str, str] | None = None,
               timeout: float = 240, name: str = "run") -> list[int]:
-    """Run ``python -m tests.dist._titan_rank ARGS`` on ``world`` ranks; return exit codes.
+    """Run ``python -m tools.testkit.titan.rank ARGS`` on ``world`` ranks; return exit codes.
 
     Each rank's output goes to ``workdir/NAME.rankR.log``.
     """
@@ -27,7 +22,7 @@ def run_titan(args: list[str], workdir: Path, *, world: int = 2, env: dict[str, 
     base = dict(os.environ)
     base.update(env or {})
     base["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")]))
-    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                 WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1",
                 HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                 HF_HOME=str(workdir / "hf_home"), TORCHINDUCTOR_CACHE_DIR=str(workdir / "ind"))
@@ -35,7 +30,7 @@ def run_titan(args: list[str], workdir: Path, *, world: int = 2, env: dict[str, 
     for r in range(world):
         with open(workdir / f"{name}.rank{r}.log", "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.dist._titan_rank", *args],
+                [sys.executable, "-m", "tools.testkit.titan.rank", *args],
                 env={**base, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=workdir,
                 stdout=log, stderr=subprocess.STDOUT))
     codes = []

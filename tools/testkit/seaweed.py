@@ -6,11 +6,8 @@ signatures are checked. Stopped by PID (SIGTERM, then SIGKILL) when the fixture 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,12 +16,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-from tests.dist._server import ServerProcess
+from tools.testkit.ports import free_ports
+from tools.testkit.server import ServerProcess
 
 ACCESS_KEY = "dcpp-test-ak"
 SECRET_KEY = "dcpp-test-sk-1234567"
 BUCKET = "ckpt"
 START_TIMEOUT_S = 60.0
+GRPC_OFFSET = 10000  # weed puts each service's gRPC port at its port + 10000
 
 
 def weed_binary() -> str | None:
@@ -33,33 +32,6 @@ def weed_binary() -> str | None:
     if os.access(here, os.X_OK):
         return here
     return shutil.which("weed")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports p on 127.0.0.1 whose p+10000 (SeaweedFS gRPC) is free too."""
-    socks: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-            if p + 10000 > 65535:
-                s.close()
-                continue
-            g = socket.socket()
-            try:
-                g.bind(("127.0.0.1", p + 10000))
-            except OSError:
-                s.close()
-                g.close()
-                continue
-            socks += [s, g]
-            ports.append(p)
-    finally:
-        for s in socks:
-            s.close()
-    return ports
 
 
 @dataclass
@@ -90,7 +62,7 @@ class SeaweedServer(ServerProcess):
         return self.data_dir
 
     def start(self) -> None:
-        s3, s3_grpc, master, volume, filer, admin = free_ports(6)
+        s3, s3_grpc, master, volume, filer, admin = free_ports(6, also_free_at=GRPC_OFFSET)
         self.port = s3
         env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
                    S3_BUCKET=BUCKET)

@@ -1,4 +1,4 @@
-"""TorchTitan recipe (``--module tests.dist._titan_recipe --config NAME``) for CPU test runs.
+"""TorchTitan recipe (``--module tools.testkit.titan.recipe --config NAME``) for CPU test runs.
 
 The llama3 debug model (6 layers, dim 256, vocab 2048) with causal SDPA attention instead of
 FlexAttention (compiled block masks; documents are not masked from each other here), FSDP over 2 gloo ranks with SUM gradient reductions (gloo has no PREMUL_SUM)
