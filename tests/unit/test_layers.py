@@ -252,8 +252,6 @@ def test_the_probe_check_finds_what_it_looks_for() -> None:
                                             "'AsyncCheckpointExecutor'"}
 
 
-@pytest.mark.xfail(strict=False, reason="issue 16: arena_stager, manager, nfsio, record, "
-                   "objectio and planners/cache are being split by other helpers")
 def test_no_module_over_400_lines() -> None:
     long = {str(m.path.relative_to(PACKAGE.parent)): n for m in modules().values()
             if (n := len(m.path.read_text().splitlines())) > MAX_LINES}
