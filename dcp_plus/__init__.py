@@ -13,6 +13,11 @@ from dcp_plus._lazy import lazy_exports
 _EXPORTS = {
     "CachedSavePlanner": "dcp_plus.planners",
     "CheckpointManager": "dcp_plus.manager",
+    "LocalReaderOptions": "dcp_plus.manager",
+    "LocalWriterOptions": "dcp_plus.manager",
+    "ObjectStoreReaderOptions": "dcp_plus.manager",
+    "ObjectStoreWriterOptions": "dcp_plus.manager",
+    "InvalidOptionError": "dcp_plus.errors",
     "CheckpointSaveError": "dcp_plus.errors",
     "ArenaStager": "dcp_plus.stagers",
     "LocalWriter": "dcp_plus.writers",
@@ -44,13 +49,20 @@ if TYPE_CHECKING:
         CheckpointSaveError,
         CorruptCheckpointError,
         DcpPlusError,
+        InvalidOptionError,
         StorageError,
         UnsafeCheckpointError,
         UnsafeValueError,
         WorkerError,
     )
     from dcp_plus.format import ZstdCodec
-    from dcp_plus.manager import CheckpointManager
+    from dcp_plus.manager import (
+        CheckpointManager,
+        LocalReaderOptions,
+        LocalWriterOptions,
+        ObjectStoreReaderOptions,
+        ObjectStoreWriterOptions,
+    )
     from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
     from dcp_plus.readers import LocalReader, NFSReader, ObjectStoreReader
     from dcp_plus.stagers import ArenaStager

@@ -24,6 +24,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from dcp_plus.storage.urls import is_url
+
 MARKER = ".dcp-plus-demo"
 
 
@@ -237,7 +239,7 @@ def train_stock(root: str, until: int, every: int) -> RunStats:
 
 
 def _prepare(root: str) -> None:
-    if "://" in root:
+    if is_url(root):
         raise ValueError(f"{root}: the demo writes to local directories only for now")
     if os.path.isdir(root) and os.listdir(root) and not os.path.exists(
             os.path.join(root, MARKER)):

@@ -170,7 +170,8 @@ class DcpPlusCheckpointManager(CheckpointManager):
         if self.async_mode != AsyncMode.DISABLED:
             self.stager = ArenaStager(buffers=config.stager_buffers,
                                       max_bytes=config.stager_max_bytes,
-                                      num_threads=config.stager_threads)
+                                      num_threads=config.stager_threads,
+                                      executor=config.async_executor)
         self._executor = (AsyncCheckpointerType.PROCESS if config.async_executor == "process"
                           else AsyncCheckpointerType.THREAD)
         # the writer settings of either backend, checked now rather than at the first save
@@ -243,12 +244,17 @@ class DcpPlusCheckpointManager(CheckpointManager):
             return CheckpointManager.dcp_save(self, state_dict, checkpoint_id, async_mode,
                                               enable_garbage_collection, to_hf)
         writer = self.make_writer(checkpoint_id)
+        if isinstance(self._planner, CachedSavePlanner):
+            self._planner.set_save_context(storage_writer=writer, process_group=self.pg)
         if async_mode == AsyncMode.DISABLED:
             dcp.save(state_dict, storage_writer=writer, planner=self._planner)
             return None
-        return dcp.async_save(state_dict, storage_writer=writer, planner=self._planner,
+        resp = dcp.async_save(state_dict, storage_writer=writer, planner=self._planner,
                               process_group=self.pg, async_stager=self.stager,
                               async_checkpointer_type=self._executor)
+        if isinstance(resp, AsyncSaveResponse) and self.stager is not None:
+            self.stager.release_when(resp.upload_completion)
+        return resp
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         if self.dcpp.adaptive_budget is None:

@@ -235,9 +235,12 @@ class CheckpointManager:
             writer = self.backend.writer(path, {**self.writer_options.kwargs(), "fence": fence})
             # without a process group DCP's upload thread warns (by default once per process)
             # that torch.distributed is disabled: hiding it there takes a process-wide filter
+            self._planner.set_save_context(storage_writer=writer, process_group=self._group)
             resp = dcp.async_save(state, storage_writer=writer, planner=self._planner,
                                   async_stager=self._stager, process_group=self._group,
                                   no_dist=not self._dist)
+            if isinstance(resp, AsyncSaveResponse) and isinstance(self._stager, ArenaStager):
+                self._stager.release_when(resp.upload_completion)  # before our callbacks
         except (Exception, CheckpointException) as e:  # staging refused, storage unusable
             err = save_error(step, path, e, "staging")
             log.error("%s", err)

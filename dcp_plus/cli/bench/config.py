@@ -8,6 +8,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_plus.storage.urls import is_url
+
 _BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6,
                "mib": 1 << 20, "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12,
                "tib": 1 << 40}
@@ -72,7 +74,7 @@ class BenchConfig:
 
     @property
     def is_url(self) -> bool:
-        return "://" in self.target and not self.target.startswith("file://")
+        return is_url(self.target) and not self.target.startswith("file://")
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
