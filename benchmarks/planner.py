@@ -96,9 +96,12 @@ class _Timed:
     _t0 = 0.0
     plan_s = 0.0
 
-    def set_up_planner(self, *args: Any, **kwargs: Any) -> None:
+    # DCP's own parameter names: given ``*args``, DCP would call the old two-argument form,
+    # passing ``is_coordinator`` as ``storage_meta`` (and no writer's ``storage_meta``).
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
         self._t0 = time.perf_counter()
-        super().set_up_planner(*args, **kwargs)  # type: ignore[misc]
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)  # type: ignore[misc]
 
     def finish_plan(self, new_plan: Any) -> Any:
         plan = super().finish_plan(new_plan)  # type: ignore[misc]

@@ -18,6 +18,7 @@ there on earlier saves.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import pickle
@@ -28,7 +29,6 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
-from dcp_plus.planners._dcp_stack import in_dcp_collective
 from dcp_plus.planners._flatten import Flat, Template
 from dcp_plus.planners.cache_registry import active_cache, lookup, register, set_active
 from dcp_plus.planners.lru import LRU
@@ -60,8 +60,8 @@ class CachePlan(SavePlan):
         return md.value if isinstance(md, PickledOnce) else md
 
     def received_pickle(self) -> bytes | None:
-        """The pickle of this plan's stock part as DCP's gather received it (a
-        :class:`LocalCachePlan` unpickled there), else None."""
+        """The pickle of this plan's stock part it was unpickled from (a
+        :class:`LocalCachePlan` received by DCP's gather, say), else None."""
         data: bytes | None = self.__dict__.get("_pickle")
         return data
 
@@ -73,14 +73,19 @@ class LocalCachePlan(CachePlan):
     The coordinator keeps a miss's local plans pickled (its ``mirror``); DCP's gather has just
     unpickled them from the bytes the ranks sent. Pickled, this plan puts its stock
     ``SavePlan`` part (items, planner data; no storage data) into one inner pickle, and the
-    unpickled plan keeps those bytes (:meth:`received_pickle`), so the coordinator stores them
-    instead of pickling every rank's plan again (0.2 s per rank at 10,000 items). Only a plan
-    unpickled by that gather keeps them: a copy (``copy``, ``deepcopy``, ``replace``) has none,
-    so a copy whose ``items`` someone then edits is never mirrored from stale bytes.
+    unpickled plan keeps those bytes (:meth:`received_pickle`), the exact pickle of what it
+    was rebuilt from, so the coordinator stores them instead of pickling every rank's plan
+    again (0.2 s per rank at 10,000 items). A copy (``copy``, ``deepcopy``, ``replace``) has
+    none, so a copy whose ``items`` someone then edits is never mirrored from stale bytes.
     """
 
     def __copy__(self) -> LocalCachePlan:
         return dataclasses.replace(self)  # shallow, as for any dataclass, and without the bytes
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LocalCachePlan:
+        return dataclasses.replace(self, **{  # without the bytes, as __copy__
+            f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)
+        })
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         inner = pickle.dumps(
@@ -95,8 +100,7 @@ def _rebuild_local_plan(inner: bytes, storage_data: Any, key: bytes, kind: str) 
         plan.items, storage_data=storage_data, planner_data=plan.planner_data,
         usable=plan.usable, key=key, kind=kind,
     )
-    if in_dcp_collective("gather_object"):  # the coordinator receiving it, not a copy
-        object.__setattr__(out, "_pickle", inner)
+    object.__setattr__(out, "_pickle", inner)  # the bytes that rebuild exactly this plan
     return out
 
 
@@ -146,20 +150,31 @@ def structure_metadata(md: Metadata) -> Metadata:
 class CachedMetadata(Metadata):
     """The coordinator's ``Metadata`` for one save, sent as a token in DCP's final broadcast.
 
-    Pickled anywhere else (a writer pickling the commit record, DCP's PROCESS daemon returning
-    it) it is a plain stock ``Metadata``, loadable without dcp_plus.
+    A reducer cannot tell who pickles it, so the planner says, per save, whether the first
+    pickle of this object is DCP's broadcast (``token_once``): the save's writer never
+    pickles the ``Metadata`` (a dcp_plus writer, whose commit record is JSON) and the world
+    has more than one rank (with one, DCP's broadcast pickles nothing or sends it nowhere).
+    Only that first pickle is the token; every other one (a stock writer pickling its commit
+    record, DCP's PROCESS daemon returning the result, the caller) is a plain stock
+    ``Metadata``, loadable without dcp_plus. Copies are plain ``Metadata`` and leave the token
+    in place.
     """
 
     _global_key: bytes
+    _token_once = False
 
     @classmethod
-    def for_save(cls, md: Metadata, global_key: bytes) -> CachedMetadata:
-        """A fresh per-save copy of the cached structure ``md`` (writers mutate it)."""
+    def for_save(
+        cls, md: Metadata, global_key: bytes, token_once: bool = False
+    ) -> CachedMetadata:
+        """A fresh per-save copy of the cached structure ``md`` (writers mutate it); its first
+        pickle is the broadcast token if ``token_once``."""
         out = cls(
             state_dict_metadata=dict(md.state_dict_metadata),
             planner_data=md.planner_data,
         )
         out._global_key = global_key
+        out._token_once = token_once
         return out
 
     def plain(self) -> Metadata:
@@ -172,8 +187,15 @@ class CachedMetadata(Metadata):
             version=self.version,
         )
 
+    def __copy__(self) -> Metadata:
+        return self.plain()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Metadata:
+        return copy.deepcopy(self.plain(), memo)
+
     def __reduce_ex__(self, protocol: Any) -> Any:
-        if in_dcp_collective("broadcast_object"):
+        if self._token_once:
+            self._token_once = False
             return (_expand_metadata, (self._global_key, self.storage_meta, self.version))
         return (
             Metadata,

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
 from dcp_plus.errors import PlanCacheError
+from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.planners._fingerprint import (
     Entry,
     digest,
@@ -52,10 +53,8 @@ from dcp_plus.planners.write_set import WriteSetRecorder, records_write_set
 log = logging.getLogger(__name__)
 
 # Per-save state that must never travel into DCP's PROCESS-mode daemon.
-_TRANSIENT = (
-    "state_dict", "plan", "global_plan", "_metadata_ref", "_cache", "_local_key",
-    "_structure_key", "_write_set",
-)
+_TRANSIENT = ("state_dict", "plan", "global_plan", "_metadata_ref", "_cache", "_local_key",
+              "_structure_key", "_write_set")
 
 
 class CachedSavePlanner(DefaultSavePlanner):
@@ -107,6 +106,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         self._write_set = WriteSetRecorder()
         self._writer_key = writer_key(None)
         self._group_key: tuple[Any, ...] | None = None
+        self._json_record = False  # this save's writer never pickles the Metadata
 
     def set_save_context(
         self, storage_writer: Any = None, process_group: dist.ProcessGroup | None = None
@@ -195,6 +195,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         cache.pending = None
         set_active(cache)
         self.is_coordinator = is_coordinator
+        self._json_record = isinstance(storage_meta, JsonRecordStorageMeta)
         if self.flatten_state_dict and self._fast_flatten and self._fast_set_up(state_dict):
             return
         # DCP's own flatten (and ShardedTensor flattening), then the entries in a second pass.
@@ -285,6 +286,7 @@ class CachedSavePlanner(DefaultSavePlanner):
 
         plans = [p for p in all_plans if isinstance(p, CachePlan)]
         keys = tuple(p.key for p in plans)
+        token_once = self._json_record and len(plans) > 1  # see CachedMetadata
         global_key = digest(b"".join(keys) + len(keys).to_bytes(4, "little"))
         pending.global_key = global_key
         entry = cache.globals.peek(global_key)
@@ -295,7 +297,7 @@ class CachedSavePlanner(DefaultSavePlanner):
                 CachePlan([], storage_data=p.storage_data, key=global_key, kind=HIT)
                 for p in plans
             ]
-            md = CachedMetadata.for_save(entry.metadata, global_key)
+            md = CachedMetadata.for_save(entry.metadata, global_key, token_once)
             self.global_plan, self.metadata = replies, md
             return replies, md
 
@@ -331,7 +333,7 @@ class CachedSavePlanner(DefaultSavePlanner):
             )
             for g, p in zip(global_plan, plans, strict=True)
         ]
-        md = CachedMetadata.for_save(struct, global_key)
+        md = CachedMetadata.for_save(struct, global_key, token_once)
         # DCP's plans, not the replies: those hold the metadata's pickle (MBs) once sent.
         self.global_plan, self.metadata = global_plan, md
         return replies, md

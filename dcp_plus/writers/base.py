@@ -27,6 +27,7 @@ from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
 from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
+from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.objectio import ObjectStore
 from dcp_plus.writers.codec_choice import CodecChoice
@@ -140,7 +141,8 @@ class CommittingWriter(StoreClient, StorageWriter):
             raise CheckpointExistsError(self._exists_message())
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+        """This save's ids, typed to say that this writer never pickles the ``Metadata``."""
+        return JsonRecordStorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

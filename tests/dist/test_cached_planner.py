@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_plus.planners import cache as cache_module
 from dcp_plus.planners.cached_save import CachedSavePlanner
+from dcp_plus.readers import LocalReader
 from dcp_plus.writers import LocalWriter
 from tools.testkit.collectives import CollectiveBytes, save_phases
 from tools.testkit.world import run_ranks
@@ -52,6 +53,10 @@ def _dtensors(n: int, world: int) -> dict[str, Any]:
 
 def _record(path: str) -> Any:
     return FileSystemReader(path).read_metadata()
+
+
+def _local_record(path: str) -> Any:
+    return LocalReader(path).read_metadata()
 
 
 def _stock_cached(tag: str) -> DefaultSavePlanner:
@@ -93,11 +98,13 @@ def _case_bytes(rank: int, world: int, root: str, counter: CollectiveBytes) -> d
     res: dict[str, Any] = {}
     for n in (100, 1000):
         res[f"cached_plain_{n}"] = _saves(CachedSavePlanner(), _plain(n), root, f"cp{n}", 3,
-                                          counter)
+                                          counter, writer=LocalWriter)
         res[f"stock_plain_{n}"] = _saves(_stock_cached(f"p{n}"), _plain(n), root, f"sp{n}", 3,
                                          counter)
         res[f"cached_dt_{n}"] = _saves(CachedSavePlanner(), _dtensors(n // 2, world), root,
-                                       f"cd{n}", 3, counter)
+                                       f"cd{n}", 3, counter, writer=LocalWriter)
+        res[f"stock_writer_{n}"] = _saves(CachedSavePlanner(), _plain(n), root, f"sw{n}", 3,
+                                          counter)
         res[f"local_plain_{n}"] = _saves(CachedSavePlanner(), _plain(n), root, f"lp{n}", 3,
                                          counter, writer=LocalWriter)
     return res
@@ -258,7 +265,7 @@ def _case_async(rank: int, world: int, root: str, counter: CollectiveBytes) -> d
     thread_hits, thread_bytes = [], []
     for i in range(3):
         counter.take()
-        dcp.async_save(sd, storage_writer=FileSystemWriter(f"{root}/th_{i}"), planner=planner,
+        dcp.async_save(sd, storage_writer=LocalWriter(f"{root}/th_{i}"), planner=planner,
                        process_group=group).result()
         thread_hits.append(planner.last_was_hit)
         thread_bytes.append(save_phases(counter.take()))
@@ -269,11 +276,23 @@ def _case_async(rank: int, world: int, root: str, counter: CollectiveBytes) -> d
                              async_checkpointer_type=AsyncCheckpointerType.PROCESS)
         md = fut.result()
     keys = sorted(_record(f"{root}/pr_2").state_dict_metadata)
+    local_log = f"{root}/proc_local_{rank}.log"
+    rec_local, local_returned = RecordingPlanner(local_log), []
+    for i in range(3):  # in the daemon: the broadcast carries the token, the pipe the Metadata
+        fut = dcp.async_save(sd, storage_writer=LocalWriter(f"{root}/pl_{i}"), planner=rec_local,
+                             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        local_returned.append(len(fut.result().state_dict_metadata))
     with open(log_path) as f:
         lines = f.read().split()
+    with open(local_log) as f:
+        local_lines = f.read().split()
     return {"thread_hits": thread_hits, "thread_bytes": thread_bytes,
             "process": [w for w in lines if not w.startswith("pid=")],
-            "process_keys_ok": keys == sorted(_record(f"{root}/th_2").state_dict_metadata),
+            "process_local": [w for w in local_lines if not w.startswith("pid=")],
+            "process_local_returned": local_returned,
+            "process_local_keys_ok": sorted(_local_record(f"{root}/pl_2").state_dict_metadata)
+            == keys,
+            "process_keys_ok": keys == sorted(_local_record(f"{root}/th_2").state_dict_metadata),
             "process_returned": len(md.state_dict_metadata)}
 
 
@@ -297,7 +316,8 @@ def _world4(rank: int, world: int, root: str) -> dict[str, Any]:
     counter = CollectiveBytes()
     res: dict[str, Any] = {}
     with counter.count():
-        res["dt"] = _saves(CachedSavePlanner(), _dtensors(50, world), root, "dt4", 3, counter)
+        res["dt"] = _saves(CachedSavePlanner(), _dtensors(50, world), root, "dt4", 3, counter,
+                           writer=LocalWriter)
     res["fsdp2"] = _case_fsdp2(rank, world, root)
     # Another world size with the same planner and state dict: a 2-rank subgroup, then back.
     sub = dist.new_group([0, 1], backend="gloo")
@@ -368,6 +388,21 @@ def test_stock_cached_planner_still_broadcasts_metadata_that_grows(world2):
     assert ours["metadata_broadcast"] * 50 < big["metadata_broadcast"]
 
 
+def test_with_a_stock_writer_a_hit_broadcasts_the_stock_metadata(world2):
+    # FileSystemWriter pickles the Metadata as its commit record: the planner never sends a
+    # token then, so the broadcast is DCP's own; the plan exchange is O(1) all the same
+    b = world2[0]["bytes"]
+    for n in (100, 1000):
+        ours, stock = b[f"stock_writer_{n}"], b[f"stock_plain_{n}"]
+        assert [s["hit"] for s in ours] == [False, True, True]
+        sent, full = ours[2]["bytes"], stock[2]["bytes"]
+        assert abs(sent["metadata_broadcast"] - full["metadata_broadcast"]) < 0.01 * full[
+            "metadata_broadcast"], (sent, full)  # up to the paths inside it
+    small, big = b["stock_writer_100"][2]["bytes"], b["stock_writer_1000"][2]["bytes"]
+    assert big["metadata_broadcast"] > 5 * small["metadata_broadcast"]
+    assert abs(small["plan_gather"] - big["plan_gather"]) <= 8 and big["plan_gather"] < 1024
+
+
 def test_dtensor_save_after_hits_loads_bit_exact(world2):
     assert all(r["bit_exact"] for r in world2)
 
@@ -420,6 +455,10 @@ def test_process_executor_cache_survives_pickling_into_the_daemon(world2):
         assert a["process"] == ["miss", "hit", "hit"]
         assert a["process_keys_ok"]
         assert a["process_returned"] == 201
+        # a dcp_plus writer: the daemon's broadcast is the token, the pipe the full Metadata
+        assert a["process_local"] == ["miss", "hit", "hit"]
+        assert a["process_local_returned"] == [201, 201, 201]
+        assert a["process_local_keys_ok"]
 
 
 def test_four_ranks_dtensor_hits_with_constant_bytes(world4):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import gc
 import pickle
@@ -17,9 +18,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
+from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.planners import cached_save
 from dcp_plus.planners._fingerprint import (
     structure_digest,
@@ -202,6 +204,65 @@ def test_commit_record_pickles_as_stock_metadata() -> None:
     assert b"dcp_plus" not in blob
     back = pickle.loads(blob)
     assert type(back) is Metadata and back.planner_data == {"x": ("x",)}
+
+
+def test_the_broadcast_token_is_the_first_pickle_only() -> None:
+    import copy
+
+    md = CachedMetadata.for_save(Metadata({"x": None}, planner_data={"x": ("x",)}), b"k" * 16,  # type: ignore[dict-item]
+                                 token_once=True)
+    md.storage_meta = JsonRecordStorageMeta(checkpoint_id="/c", save_id="s")
+    for other in (copy.copy(md), copy.deepcopy(md)):  # copies are plain, the token stays
+        assert type(other) is Metadata and other.planner_data == {"x": ("x",)}
+    token = pickle.dumps(md)
+    assert b"_expand_metadata" in token and b"JsonRecordStorageMeta" not in token
+    later = pickle.dumps(md)  # a PROCESS daemon's pipe, the caller: the full Metadata
+    assert b"dcp_plus" not in later
+    back = pickle.loads(later)
+    assert type(back) is Metadata and back.planner_data == {"x": ("x",)}
+    assert type(back.storage_meta) is StorageMeta and back.storage_meta.save_id == "s"
+
+
+def test_a_dcp_plus_writers_storage_meta_is_recorded_and_pickled_as_a_plain_one() -> None:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from dcp_plus.format.record import Extent, decode_record, encode_record
+    from dcp_plus.writers import LocalWriter
+
+    sm = LocalWriter("/tmp/ck").storage_meta()
+    assert isinstance(sm, JsonRecordStorageMeta)
+    plain = StorageMeta(checkpoint_id="/c", save_id="s", modules=["m"])
+    ours = JsonRecordStorageMeta(checkpoint_id="/c", save_id="s", modules=["m"])
+    assert ours == plain and plain == ours and ours != StorageMeta(checkpoint_id="/c")
+    blob = pickle.dumps(ours)
+    assert b"dcp_plus" not in blob and type(pickle.loads(blob)) is StorageMeta
+    md = Metadata({"step": BytesStorageMetadata()}, storage_meta=ours, version="1")
+    extents = {MetadataIndex("step"): Extent("__0_0.s.dcpp", 0, 4, 4, "identity",
+                                             "xxh3-64id:" + "0" * 15 + "1")}
+    record = encode_record(md, extents)
+    assert record == encode_record(dataclasses.replace(md, storage_meta=plain), extents)
+    out = decode_record(record, "/c/.metadata").storage_meta
+    assert type(out) is StorageMeta and out == plain
+
+
+@pytest.mark.parametrize(("writer_meta", "ranks", "token"), [
+    (JsonRecordStorageMeta(), 2, True),
+    (JsonRecordStorageMeta(), 1, False),  # one rank: DCP's broadcast sends nothing
+    (StorageMeta(), 2, False),  # a stock writer may pickle the Metadata as its record
+    (None, 2, False),
+])
+def test_the_token_is_sent_only_with_a_dcp_plus_writer_and_more_than_one_rank(
+    writer_meta: StorageMeta | None, ranks: int, token: bool
+) -> None:
+    planner = CachedSavePlanner()
+    for _ in range(2):  # a miss, then a hit
+        planner.set_up_planner(_sd(3), writer_meta, is_coordinator=True)
+        local = planner.create_local_plan()
+        replies, md = planner.create_global_plan([local] * ranks)
+        planner.finish_plan(replies[0])
+        assert (b"_expand_metadata" in pickle.dumps(md)) is token
+        assert type(pickle.loads(pickle.dumps(md))) is Metadata
+    assert planner.last_was_hit
 
 
 def test_pickled_planner_carries_no_state_and_finds_its_cache(tmp_path: Path) -> None:
@@ -441,7 +502,8 @@ def test_every_reply_shares_one_pickle_of_the_structure_metadata() -> None:
     assert replies[0].structure() is shared.value  # not pickled at all (no_dist)
 
 
-def test_a_local_plan_travels_as_its_own_pickle_and_only_a_gather_keeps_the_bytes() -> None:
+def test_a_local_plan_travels_as_its_own_pickle_and_only_an_unpickled_one_keeps_the_bytes(
+) -> None:
     import copy
 
     from dcp_plus.planners.cache import FULL, LocalCachePlan, plain_plan
@@ -450,11 +512,20 @@ def test_a_local_plan_travels_as_its_own_pickle_and_only_a_gather_keeps_the_byte
     planner.set_up_planner(_sd(6), is_coordinator=True)
     local = planner.create_local_plan()
     assert type(local) is LocalCachePlan and local.kind == FULL and len(local.items) == 7
-    # Outside DCP's gather_object (a copy, a pickle elsewhere) the plan keeps no bytes, so
-    # a copy whose items are edited afterwards can never be mirrored from stale bytes.
-    for other in (pickle.loads(pickle.dumps(local)), copy.deepcopy(local), copy.copy(local)):
-        assert type(other) is LocalCachePlan and other.received_pickle() is None
+    # Unpickled (as by DCP's gather), the plan keeps the bytes it was rebuilt from: they
+    # unpickle to an equal plan, so the coordinator can mirror them as they are.
+    received = pickle.loads(pickle.dumps(local))
+    kept = received.received_pickle()
+    assert kept is not None and pickle.loads(kept) == plain_plan(local, storage_data=None)
+    # A copy keeps no bytes, so a copy whose items are edited afterwards can never be
+    # mirrored from stale bytes.
+    for other in (received, copy.deepcopy(local), copy.copy(local), copy.deepcopy(received),
+                  copy.copy(received)):
+        assert type(other) is LocalCachePlan
         assert plain_plan(other) == plain_plan(local) and other.key == local.key
+    for other in (copy.deepcopy(local), copy.copy(local), copy.deepcopy(received),
+                  copy.copy(received)):
+        assert other.received_pickle() is None
     assert copy.copy(local).items is local.items  # shallow, as for any dataclass
     assert local.received_pickle() is None
     # (the 2-rank test in tests/dist/test_cached_planner.py checks that the coordinator
