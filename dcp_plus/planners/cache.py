@@ -29,8 +29,9 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
+from dcp_plus.planners import cache_registry
 from dcp_plus.planners._flatten import Flat, Template
-from dcp_plus.planners.cache_registry import active_cache, lookup, register, set_active
+from dcp_plus.planners.cache_registry import active_cache, lookup, set_active
 from dcp_plus.planners.lru import LRU
 
 log = logging.getLogger(__name__)
@@ -217,7 +218,7 @@ def _expand_metadata(
     The receiving thread is the one running the save, so its planner's cache is the one that
     :func:`~dcp_plus.planners.cache_registry.set_active` recorded in ``set_up_planner``.
     """
-    cache = active_cache()
+    cache: PlanCache | None = active_cache()
     entry = cache.finals.peek(global_key) if cache is not None else None
     if entry is None:
         log.warning(
@@ -361,6 +362,14 @@ class PlanCache:
             self.globals.put(p.global_key, p.global_entry)
         else:
             self.globals.get(p.global_key)
+
+
+def register(cache_id: str, capacity: int, pin: bool) -> PlanCache:
+    """The :class:`PlanCache` with this id in this process, created if needed; ``pin`` keeps
+    it alive after its planner is gone (see :func:`cache_registry.register`)."""
+    cache: PlanCache = cache_registry.register(cache_id, lambda: PlanCache(cache_id, capacity),
+                                               pin)
+    return cache
 
 
 __all__ = [

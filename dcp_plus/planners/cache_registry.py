@@ -12,48 +12,45 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from dcp_plus.planners.cache import PlanCache
+from collections.abc import Callable
+from typing import Any
 
 MAX_PINNED = 16
 """Caches of unpickled planners kept alive per process (PROCESS-mode daemons)."""
 
 _active = threading.local()  # .cache: the PlanCache of the save running on this thread
 _lock = threading.Lock()
-_registry: weakref.WeakValueDictionary[str, PlanCache] = weakref.WeakValueDictionary()
-_pinned: OrderedDict[str, PlanCache] = OrderedDict()
+# values are PlanCache objects (not named here: the cache module imports this one)
+_registry: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+_pinned: OrderedDict[str, Any] = OrderedDict()
 
 
-def set_active(cache: PlanCache) -> None:
+def set_active(cache: Any) -> None:
     """Record ``cache`` as the one of the save running in this thread."""
     _active.cache = cache
 
 
-def active_cache() -> PlanCache | None:
+def active_cache() -> Any:
     """The cache :func:`set_active` recorded on this thread, if any."""
     return getattr(_active, "cache", None)
 
 
-def lookup(cache_id: str) -> PlanCache | None:
+def lookup(cache_id: str) -> Any:
     """The live cache with this id in this process, if any."""
     with _lock:
         return _registry.get(cache_id)
 
 
-def register(cache_id: str, capacity: int, pin: bool) -> PlanCache:
-    """The cache with this id in this process, created if needed.
+def register(cache_id: str, make: Callable[[], Any], pin: bool) -> Any:
+    """The cache with this id in this process, created by ``make()`` if needed.
 
     ``pin`` keeps it alive after its planner is gone: a planner unpickled into DCP's daemon
     lives for one save only, its cache must outlive it. At most :data:`MAX_PINNED` are pinned.
     """
-    from dcp_plus.planners.cache import PlanCache
-
     with _lock:
         cache = _registry.get(cache_id)
         if cache is None:
-            cache = PlanCache(cache_id, capacity)
+            cache = make()
             _registry[cache_id] = cache
         if pin:
             _pinned[cache_id] = cache
