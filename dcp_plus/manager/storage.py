@@ -20,7 +20,8 @@ from dcp_plus.errors import DcpPlusError
 from dcp_plus.format.record import RECORD_NAME
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
 from dcp_plus.manager.options import LocalReaderOptions, LocalWriterOptions
-from dcp_plus.storage.fileio import atomic_create, atomic_write, fsync_dir, read_regular
+from dcp_plus.storage.fileio import atomic_write, fsync_dir
+from dcp_plus.storage.localfs import LocalFileStore
 from dcp_plus.storage.urls import is_url
 
 
@@ -53,35 +54,23 @@ class FileLeaseStore:
 
     def __init__(self, directory: str) -> None:
         self.location = directory
-
-    def _path(self, name: str) -> str:
-        return os.path.join(self.location, name)
+        self._files = LocalFileStore(directory, max_get=MAX_LEASE_RECORD_BYTES)
 
     def create(self, name: str, data: bytes) -> bool:
         os.makedirs(self.location, exist_ok=True)
-        return atomic_create(self._path(name), data, uuid.uuid4().hex[:12])
+        return self._files.put(name, data, if_absent=True)
 
     def write(self, name: str, data: bytes) -> None:
-        atomic_write(self._path(name), data, uuid.uuid4().hex[:12])
+        self._files.put(name, data, if_absent=False)
 
     def read(self, name: str) -> bytes | None:
-        try:
-            return read_regular(self.location, name, MAX_LEASE_RECORD_BYTES)
-        except FileNotFoundError:
-            return None
+        return self._files.get(name)
 
     def list(self) -> list[str]:
-        try:
-            return [n for n in os.listdir(self.location) if not n.endswith(".tmp")]
-        except FileNotFoundError:
-            return []
+        return [n for n in self._files.list() if not n.endswith(".tmp")]
 
     def delete(self, names: Sequence[str]) -> None:
-        for name in names:
-            try:
-                os.unlink(self._path(name))
-            except FileNotFoundError:
-                pass
+        self._files.delete(names)
 
 
 class LocalBackend:

@@ -26,15 +26,18 @@ class LocalFileStore:
     symbolic link, FIFO or device is followed or read).
 
     ``fsync``: data files, records and the directory are made durable before the operation
-    that wrote them returns. ``threads``: files an upload writes in parallel.
+    that wrote them returns. ``threads``: files an upload writes in parallel. ``max_get``: the
+    largest file :meth:`get` reads whole (larger ones are refused unread).
     """
 
     uploads_from_any_process = True  # a writer worker opens the same path
 
-    def __init__(self, root: str, *, fsync: bool = True, threads: int = 1) -> None:
+    def __init__(self, root: str, *, fsync: bool = True, threads: int = 1,
+                 max_get: int = MAX_RECORD_BYTES) -> None:
         self.url = root
         self.root = root
         self.fsync = fsync
+        self.max_get = max_get
         self.threads = threads
         self._threads = Threads(threads, "dcpp-write")
 
@@ -57,7 +60,7 @@ class LocalFileStore:
 
     def get(self, name: str) -> bytes | None:
         try:
-            return read_regular(self.root, name, MAX_RECORD_BYTES)
+            return read_regular(self.root, name, self.max_get)
         except (FileNotFoundError, NotADirectoryError):
             return None
 
