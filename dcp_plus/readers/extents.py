@@ -13,7 +13,6 @@ from dcp_plus.format.checksum import (
     checksum_bytes,
 )
 from dcp_plus.format.record import Extent
-from dcp_plus.storage.fileio import open_regular
 
 
 def check_extent_bounds(extents: Iterable[tuple[str, Extent]],
@@ -39,22 +38,6 @@ def check_extent_bounds(extents: Iterable[tuple[str, Extent]],
                 f"length {e.length}) runs past the end of the file ({size} bytes): "
                 "the file is truncated or the record is corrupt"
             )
-
-
-def check_bounds(root: str, extents: Iterable[tuple[str, Extent]]) -> None:
-    """:func:`check_extent_bounds` for data files under the directory ``root`` (regular files
-    inside it: a symlink, FIFO or device is refused)."""
-    def size_of(name: str) -> int | None:
-        try:
-            fd = open_regular(root, name)
-        except FileNotFoundError:
-            return None
-        try:
-            return os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-
-    check_extent_bounds(extents, size_of, lambda name: os.path.join(root, name))
 
 
 def verify_checksum(data: memoryview, ext: Extent, what: str, root: str,

@@ -56,6 +56,9 @@ class Threads:
         """:func:`fan_out` on these threads."""
         return fan_out(fn, items, self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None}  # threads do not cross processes
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -8,7 +8,6 @@ import uuid
 from collections.abc import Sequence
 
 from dcp_plus.format.layout import MAX_RECORD_BYTES
-from dcp_plus.storage.fanout import Threads
 from dcp_plus.storage.fileio import (
     atomic_create,
     atomic_write,
@@ -26,20 +25,17 @@ class LocalFileStore:
     symbolic link, FIFO or device is followed or read).
 
     ``fsync``: data files, records and the directory are made durable before the operation
-    that wrote them returns. ``threads``: files an upload writes in parallel. ``max_get``: the
-    largest file :meth:`get` reads whole (larger ones are refused unread).
+    that wrote them returns (:meth:`put` always: a record is never left undurable).
+    ``max_get``: the largest file :meth:`get` reads whole (larger ones are refused unread).
     """
 
     uploads_from_any_process = True  # a writer worker opens the same path
 
-    def __init__(self, root: str, *, fsync: bool = True, threads: int = 1,
-                 max_get: int = MAX_RECORD_BYTES) -> None:
+    def __init__(self, root: str, *, fsync: bool = True, max_get: int = MAX_RECORD_BYTES) -> None:
         self.url = root
         self.root = root
         self.fsync = fsync
         self.max_get = max_get
-        self.threads = threads
-        self._threads = Threads(threads, "dcpp-write")
 
     def location(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -69,8 +65,20 @@ class LocalFileStore:
         path, tag = self.location(name), uuid.uuid4().hex[:16]
         if if_absent:
             return atomic_create(path, data, tag)
-        atomic_write(path, data, tag, durable=self.fsync)
+        atomic_write(path, data, tag)
         return True
+
+    def put_new(self, name: str, data: bytes) -> None:
+        """Create ``name`` holding ``data``; an existing ``name`` is an error (never replaced).
+        Cheaper than :meth:`put` (no rename): for files no reader trusts before a record
+        names them, made durable by ``fsync`` and the directory's fsync in :meth:`create`."""
+        fd = os.open(self.location(name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            pwrite_all(fd, memoryview(data), 0)
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def create(self, names: Sequence[str]) -> list[str]:
         """Create empty files ``names`` exclusively (a name already there is an error, so no
@@ -91,10 +99,12 @@ class LocalFileStore:
 
     def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
         """Write each file's segments at their offsets (files made by :meth:`create` are
-        written in place, others created), then fsync it; up to ``threads`` files at once."""
-        self._threads.map(lambda obj: self._write_file(*obj), objects)
+        written in place, others created), then fsync it."""
+        for name, segments, size in objects:
+            self.write_file(name, segments, size)
 
-    def _write_file(self, name: str, segments: Segments, size: int) -> None:
+    def write_file(self, name: str, segments: Segments, size: int) -> None:
+        """:meth:`upload` of one file (callable from several threads at once)."""
         fd = os.open(self.location(name), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             for offset, data in segments:
@@ -129,5 +139,4 @@ class LocalFileStore:
                 pass
 
     def close(self) -> None:
-        """Join the upload threads (no file is held open between operations)."""
-        self._threads.close()
+        """Nothing is held open between operations."""

@@ -29,7 +29,6 @@ from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.storage.location import StoreClient
-from dcp_plus.storage.objectio import ObjectStore
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.extent_tables import build_extents, collect_extents, write_results
 from dcp_plus.writers.items import resolve_items
@@ -71,7 +70,7 @@ class CommittingWriter(StoreClient, StorageWriter):
 
     Args (shared by every writer):
         overwrite, codec, codecs, fence, allow_pickle: see :class:`~dcp_plus.LocalWriter`.
-        workers, worker_nice: the shared writer-process pool; ``workers=0``: no pool.
+        workers, worker_nice: the shared writer-process pool; ``workers=None``: no pool.
     """
 
     _transient: tuple[str, ...] = ("_store_obj", "_feeder")
@@ -83,16 +82,17 @@ class CommittingWriter(StoreClient, StorageWriter):
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool, codec: str | Codec,
                  codecs: Mapping[str, str | Codec] | None, fence: Fence | None,
-                 allow_pickle: bool, workers: int = 0, worker_nice: int = DEFAULT_NICE) -> None:
+                 allow_pickle: bool, workers: int | None = None,
+                 worker_nice: int = DEFAULT_NICE) -> None:
         super().__init__()
-        if workers:
+        if workers is not None:
             check_pool_settings(type(self).__name__, workers, worker_nice)
         self._set_location(path)
         self.overwrite = overwrite
         self.codecs = CodecChoice(codec, codecs)
         self.fence = fence
         self.allow_pickle = allow_pickle
-        self.workers = workers
+        self.workers = workers or 0
         self.worker_nice = worker_nice
         self.save_id = new_save_id()
         self.rank = 0
@@ -106,8 +106,28 @@ class CommittingWriter(StoreClient, StorageWriter):
         process can write (``uploads_from_any_process``) and writers with ``workers``."""
         raise NotImplementedError
 
-    def _prepare(self, names: list[str]) -> None:
-        """Before any data is written: the store's preparation of the data files ``names``."""
+    def _prepare(self, names: list[str]) -> list[str]:
+        """Before any data is written: the store's preparation of the data files ``names``;
+        the files it made, which a failed save removes again."""
+        return []
+
+    def _write_in_process(self, files: list[FilePlan]) -> dict[int, str]:
+        """Checksum and write ``files`` from this process; the checksums by ``id(item)``.
+        One upload of every file: the store spreads it over its own requests in flight."""
+        sums: dict[int, str] = {}
+        objects = []
+        for fp in files:
+            sums.update((id(r), checksum_bytes(r.data)) for r, _ in fp.placed)
+            objects.append((fp.name, segments_of(fp), fp.size))
+        if objects:
+            self._store.upload(objects)
+        return sums
+
+    def plan_cache_key(self) -> str:
+        """The writer's part of ``CachedSavePlanner``'s cache key: no setting of a dcp_plus
+        writer changes a save plan (planning only attaches each rank's ``RankInfo``), so its
+        type alone counts."""
+        return ""
 
     # -- StorageWriter ----------------------------------------------------------------------
 
@@ -161,14 +181,14 @@ class CommittingWriter(StoreClient, StorageWriter):
         slab_files, other_files = plan_files(items, info.rank, self.save_id, self._bins,
                                              slab_parts=self._slab_parts)
         files = slab_files + other_files
+        created = self._prepare([fp.name for fp in files])
         try:
-            self._prepare([fp.name for fp in files])
             sums = self._write_files(slab_files, other_files)
             extents = build_extents(files, raw_lengths, codec_names, sums)
             results = write_results(info.rank, info.world, self.save_id, extents,
                                     self._put_table)
         except BaseException:
-            self._remove_own_files([fp.name for fp in files])
+            self._remove_own_files(created)
             raise
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
@@ -182,10 +202,10 @@ class CommittingWriter(StoreClient, StorageWriter):
         in_workers = slab_files if self.workers and store.uploads_from_any_process else []
         in_process = other_files if in_workers else slab_files + other_files
         if not in_workers:
-            return _write_in_process(store, in_process)
+            return self._write_in_process(in_process)
         if self._feeder is None:
             self._feeder = ThreadPoolExecutor(1, thread_name_prefix="dcpp-upload")
-        pending = self._feeder.submit(_write_in_process, store, in_process)
+        pending = self._feeder.submit(self._write_in_process, in_process)
         try:
             jobs = self._worker_jobs(in_workers)  # one job per file: never two writers to one
             sums = checksums_by_item(in_workers,
@@ -196,9 +216,10 @@ class CommittingWriter(StoreClient, StorageWriter):
         return sums
 
     def _remove_own_files(self, names: list[str]) -> None:
-        """After a failed write: this save's files (their names carry its save id, so no
-        other save's file is among them). A failure here is logged, not raised over the
-        error that got us here."""
+        """After a failed write: the files this save made. A failure here is logged, not
+        raised over the error that got us here."""
+        if not names:
+            return
         try:
             self._store.delete(names)
         except Exception as e:  # noqa: BLE001
@@ -256,14 +277,7 @@ class CommittingWriter(StoreClient, StorageWriter):
         self._close_store()
 
 
-def _write_in_process(store: ObjectStore, files: list[FilePlan]) -> dict[int, str]:
-    """Checksum and write ``files`` from this process; the checksums by ``id(item)``."""
-    sums: dict[int, str] = {}
-    objects = []
-    for fp in files:
-        sums.update((id(r), checksum_bytes(r.data)) for r, _ in fp.placed)
-        objects.append((fp.name, [(off, r.data) for r, off in fp.placed if len(r.data)],
-                        fp.size))
-    if objects:
-        store.upload(objects)
-    return sums
+
+def segments_of(fp: FilePlan) -> list[tuple[int, memoryview]]:
+    """``(offset, bytes)`` of the items placed in ``fp`` (empty ones write nothing)."""
+    return [(off, r.data) for r, off in fp.placed if len(r.data)]

@@ -6,10 +6,12 @@ import os
 from collections.abc import Mapping
 from typing import Any, cast
 
+from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
+from dcp_plus.storage.fanout import Threads
 from dcp_plus.storage.localfs import LocalFileStore
 from dcp_plus.storage.urls import is_url
-from dcp_plus.writers.base import CommittingWriter, Fence
+from dcp_plus.writers.base import CommittingWriter, Fence, segments_of
 from dcp_plus.writers.layout import FilePlan
 from dcp_plus.writers.pool import DEFAULT_NICE
 from dcp_plus.writers.worker import Job, WriteJob
@@ -64,6 +66,7 @@ class LocalWriter(CommittingWriter):
         self.direct_io = direct_io
         self._bins = threads
         self._slab_parts = workers
+        self._threads = Threads(threads, "dcpp-write")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -74,11 +77,33 @@ class LocalWriter(CommittingWriter):
         os.makedirs(self.path, exist_ok=True)
 
     def _open_store(self) -> LocalFileStore:
-        return LocalFileStore(self.path, fsync=self.fsync, threads=self.threads)
+        return LocalFileStore(self.path, fsync=self.fsync)
 
-    def _prepare(self, names: list[str]) -> None:
-        # exclusively: a file of another save is never written over
-        cast(LocalFileStore, self._store).create(names)
+    @property
+    def _files(self) -> LocalFileStore:
+        return cast(LocalFileStore, self._store)
+
+    def _prepare(self, names: list[str]) -> list[str]:
+        return self._files.create(names)  # exclusively: no file of another save is touched
+
+    def _write_in_process(self, files: list[FilePlan]) -> dict[int, str]:
+        # one file per thread, each item checksummed just before it is written (still hot)
+        def write(fp: FilePlan) -> dict[int, str]:
+            sums = {id(r): checksum_bytes(r.data) for r, _ in fp.placed}
+            self._files.write_file(fp.name, segments_of(fp), fp.size)
+            return sums
+
+        out: dict[int, str] = {}
+        for sums in self._threads.map(write, files):
+            out.update(sums)
+        return out
+
+    def _put_table(self, name: str, data: bytes) -> None:
+        self._files.put_new(name, data)
+
+    def close(self) -> None:
+        self._threads.close()
+        super().close()
 
     def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
         return [WriteJob(os.path.abspath(os.path.join(self.path, fp.name)), fp.slab_ranges(),

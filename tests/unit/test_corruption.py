@@ -11,8 +11,9 @@ import torch
 from dcp_plus import LocalReader
 from dcp_plus.errors import CheckpointFormatError, CheckpointNotFoundError, CorruptCheckpointError
 from dcp_plus.format.record import Extent
-from dcp_plus.readers.extents import check_bounds, verify_checksum
+from dcp_plus.readers.extents import check_extent_bounds, verify_checksum
 from dcp_plus.storage.fileio import read_coalesced
+from dcp_plus.storage.localfs import LocalFileStore
 from tests.conftest import (
     assert_bit_exact,
     build_state_dict,
@@ -166,9 +167,15 @@ def test_check_bounds_reports_extent_index_and_file(tmp_path):
     ok = Extent("f.dcpp", 0, 100, 100, "identity", "xxh3-64:0")
     past = Extent("f.dcpp", 96, 8, 8, "identity", "xxh3-64:0")
 
-    check_bounds(str(tmp_path), [("tensor 'a'", ok)])
+    store = LocalFileStore(str(tmp_path))
+
+    def check_bounds(extents: list[tuple[str, Extent]]) -> None:
+        sizes = store.sizes(sorted({e.file for _, e in extents}))
+        check_extent_bounds(extents, sizes.__getitem__, store.location)
+
+    check_bounds([("tensor 'a'", ok)])
     with pytest.raises(CheckpointFormatError) as info:
-        check_bounds(str(tmp_path), [("tensor 'a'", ok), ("tensor 'b'", past)])
+        check_bounds([("tensor 'a'", ok), ("tensor 'b'", past)])
 
     assert "extents[1]" in str(info.value) and "tensor 'b'" in str(info.value)
 
