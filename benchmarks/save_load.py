@@ -234,7 +234,7 @@ class Bench:
     def save_proto_direct(self, d: str, threads: int = 2) -> Sample:
         """What LocalWriter's thread path could do: O_DIRECT through reusable bounce buffers.
 
-        Not dcp_plus code. Same work as ``LocalWriter._write_local`` (size-balanced files,
+        Not dcp_plus code. Same work as ``LocalWriter._write_in_process`` (size-balanced files,
         4 KiB-aligned extents, an xxh3 checksum per tensor, fsync per file and of the
         directory), but each thread copies tensor bytes into its own pre-faulted, page-aligned
         buffer (tensor memory is not 4 KiB-aligned) and writes it with O_DIRECT, so no page
