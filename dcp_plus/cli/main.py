@@ -1,4 +1,5 @@
-"""The ``dcp-plus`` command: ``demo``, ``inspect PATH``, ``verify PATH``, ``plan``, ``bench``."""
+"""The ``dcp-plus`` command: ``demo``, ``ls ROOT``, ``inspect PATH``, ``verify PATH``,
+``diff A B``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import os
 import sys
 import traceback
+from typing import Any
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, DcpPlusError
 
@@ -71,6 +73,69 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    """``K=V`` pairs; a value that parses as JSON (numbers, true, objects) is taken as such."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise DcpPlusError(f"--storage-option {pair!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from dcp_plus.cli.listing import list_root
+
+    info = list_root(args.root, _storage_options(args.storage_option))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    rows = info["checkpoints"]
+    if not rows:
+        print(f"{args.root}: no checkpoints")
+        return 0
+    print(f"{'checkpoint':<24} {'step':>10} {'state':<12} {'tensors':>8} {'stored':>12}")
+    for r in rows:
+        state = "committed" if r["committed"] else "uncommitted"
+        state = "DAMAGED" if r["problem"] else state
+        step = "-" if r["step"] is None else str(r["step"])
+        size = "-" if r["bytes"] is None else _human(r["bytes"])
+        tensors = "-" if r["tensors"] is None else str(r["tensors"])
+        mark = "  <- latest" if r["latest"] else ""
+        print(f"{r['name']:<24} {step:>10} {state:<12} {tensors:>8} {size:>12}{mark}")
+        if r["problem"]:
+            print(f"  {r['problem']}")
+    committed = sum(r["committed"] and not r["problem"] for r in rows)
+    print(f"{len(rows)} checkpoint folders, {committed} committed")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Exit 0: the same tensors with the same content; 1: they differ."""
+    from dcp_plus.cli.diff import diff_checkpoints
+
+    d = diff_checkpoints(args.a, args.b)
+    differ = bool(d["added"] or d["removed"] or d["changed"])
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 1 if differ else 0
+    for name in d["added"]:
+        print(f"+ {name}")
+    for name in d["removed"]:
+        print(f"- {name}")
+    for c in d["changed"]:
+        detail = ", ".join(f"{k} {c['a'].get(k)} -> {c['b'].get(k)}" if k != "content"
+                           else "content" for k in c["changed"])
+        print(f"~ {c['name']}: {detail}")
+    print(f"{len(d['added'])} added, {len(d['removed'])} removed, {len(d['changed'])} changed, "
+          f"{d['same']} the same")
+    return 1 if differ else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from dcp_plus.cli.demo import run
 
@@ -86,9 +151,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from dcp_plus import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcp-plus", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="train on CPU with CheckpointManager, crash, resume, check")
@@ -96,6 +168,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=150)
     d.add_argument("--seed", type=int, default=None, help="seed of the random kill step")
     d.set_defaults(func=cmd_demo)
+
+    ls = sub.add_parser("ls", help="the checkpoints under a root (a directory or URL)")
+    ls.add_argument("root")
+    ls.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed to fsspec for a URL root (repeatable)")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=cmd_ls)
+
+    df = sub.add_parser("diff", help="tensors added, removed or changed from checkpoint A to "
+                                     "B; exit 1 if they differ")
+    df.add_argument("a")
+    df.add_argument("b")
+    df.add_argument("--json", action="store_true")
+    df.set_defaults(func=cmd_diff)
 
     i = sub.add_parser("inspect", help="list the tensors of a checkpoint")
     i.add_argument("path")
