@@ -23,16 +23,15 @@ import contextlib
 import importlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dcp_plus.cli.bench.world import log_tails, run_rank_processes
 from tools.testkit.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,32 +142,15 @@ def _launch(world_size: int, cases: list[tuple[str, list[Any], dict[str, Any]]],
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size))
     logs = [workdir / f"rank{r}.log" for r in range(world_size)]
-    procs = []
-    for rank in range(world_size):
-        with open(logs[rank], "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tools.testkit.world", str(spec), str(rank)], cwd=ROOT,
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    codes = run_rank_processes(
+        [[sys.executable, "-m", "tools.testkit.world", str(spec), str(rank)]
+         for rank in range(world_size)],
+        [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(world_size)],
+        logs, timeout, cwd=ROOT)
 
-    def tails() -> str:
-        return "\n".join(f"--- rank {r} (exit {procs[r].returncode}) ---\n"
-                         + logs[r].read_text(errors="replace")[-4000:]
-                         for r in range(world_size))
-
-    if any(p.returncode != 0 for p in procs):
-        raise RuntimeError(f"{world_size}-rank world failed or timed out:\n{tails()}")
+    if any(code != 0 for code in codes):
+        raise RuntimeError(f"{world_size}-rank world failed or timed out:\n"
+                           f"{log_tails(codes, logs, 4000)}")
     per_rank = [json.loads((workdir / f"result{world_size}_{r}.json").read_text())
                 for r in range(world_size)]
     results = {}

@@ -30,6 +30,39 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_rank_processes(commands: list[list[str]], envs: list[dict[str, str]],
+                       logs: list[Path], timeout: float, *, cwd: str | os.PathLike | None = None,
+                       rank0_stderr: bool = False) -> list[int]:
+    """Run one process per rank (``commands[r]`` with ``envs[r]``, output to ``logs[r]``)
+    until every one exits or ``timeout`` seconds pass (the rest are killed); their exit
+    codes. ``rank0_stderr``: rank 0's stderr stays on this terminal (its progress bar)."""
+    procs = []
+    for rank, (argv, env) in enumerate(zip(commands, envs, strict=True)):
+        with open(logs[rank], "wb") as log:
+            procs.append(subprocess.Popen(
+                argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=None if rank0_stderr and rank == 0 else subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs]
+
+
+def log_tails(codes: list[int], logs: list[Path], chars: int) -> str:
+    """The last ``chars`` of each rank's log, headed by its exit code."""
+    return "\n".join(f"--- rank {r} (exit {code}) ---\n"
+                     + logs[r].read_text(errors="replace")[-chars:]
+                     for r, code in enumerate(codes))
+
+
 def measure_in_process(cfg: BenchConfig) -> dict[str, Any]:
     """:func:`~dcp_plus.cli.bench.measure.measure` in a one-process gloo world (the PROCESS
     executor needs a group); an existing group is used as it is."""
@@ -65,31 +98,14 @@ def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
         spec.chmod(0o600)  # storage options may hold credentials
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        procs, logs = [], []
-        for rank in range(cfg.ranks):
-            log = Path(tmp, f"rank{rank}.log")
-            logs.append(log)
-            with open(log, "wb") as f:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "dcp_plus.cli.bench.world", str(spec), str(rank)],
-                    env=env, stdin=subprocess.DEVNULL, stdout=f,
-                    stderr=None if rank == 0 else subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        try:
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        logs = [Path(tmp, f"rank{rank}.log") for rank in range(cfg.ranks)]
+        codes = run_rank_processes(
+            [[sys.executable, "-m", "dcp_plus.cli.bench.world", str(spec), str(rank)]
+             for rank in range(cfg.ranks)],
+            [env] * cfg.ranks, logs, timeout, rank0_stderr=True)
         result = Path(tmp, "result.json")
-        if any(p.returncode for p in procs) or not result.exists():
-            tails = "\n".join(f"--- rank {r} (exit {procs[r].returncode}) ---\n"
-                              + logs[r].read_text(errors="replace")[-3000:]
-                              for r in range(cfg.ranks))
+        if any(codes) or not result.exists():
+            tails = log_tails(codes, logs, 3000)
             raise DcpPlusError(f"the {cfg.ranks}-rank benchmark world failed:\n{tails}")
         return dict(json.loads(result.read_text()))
 
