@@ -17,7 +17,7 @@ import time
 import warnings
 from typing import Any
 
-from dcp_plus.cli.demo import RunStats, build, state_of, train_step, train_stock
+from dcp_plus.cli.demo import RunStats, build, print_runs, state_of, train_step, train_stock
 from dcp_plus.manager import CheckpointManager
 from dcp_plus.manager.storage import LocalBackend
 from dcp_plus.schedule import AdaptiveInterval
@@ -93,14 +93,7 @@ def main() -> None:
                                 args.slow_ms)
     rows.append(slow)
     shutil.rmtree(root, ignore_errors=True)
-    print(f"{'run':<72} {'steps':>5} {'ckpts':>5} {'blocking ms':>11} {'persist s':>9} "
-          f"{'wall s':>7} {'overhead':>8}")
-    for r in rows:
-        n = len(r.blocking_s)
-        blk = f"{1e3 * sum(r.blocking_s) / n:.1f}" if n else "-"
-        per = f"{sum(r.persist_s) / len(r.persist_s):.3f}" if r.persist_s else "-"
-        print(f"{r.name:<72} {r.steps:>5} {n:>5} {blk:>11} {per:>9} {r.wall_s:>7.2f} "
-              f"{100 * r.overhead:>7.2f}%")
+    print_runs(rows, name_width=72)
     for title, pol in (("normal storage", policy), ("slowed storage", slow_policy)):
         print(f"\nAdaptiveInterval decisions, {title}:")
         for d in pol.decisions:

@@ -250,14 +250,16 @@ def _prepare(root: str) -> None:
     Path(root, MARKER).touch()
 
 
-def _table(rows: list[RunStats], log: Callable[[str], None]) -> None:
-    log(f"{'run':<46} {'steps':>5} {'ckpts':>5} {'blocking ms':>11} {'persist s':>9} "
+def print_runs(rows: list[RunStats], log: Callable[[str], None] = print,
+               name_width: int = 46) -> None:
+    """One line per run: steps, checkpoints, mean blocking and persist time, wall, overhead."""
+    log(f"{'run':<{name_width}} {'steps':>5} {'ckpts':>5} {'blocking ms':>11} {'persist s':>9} "
         f"{'wall s':>7} {'overhead':>8}")
     for r in rows:
         n = len(r.blocking_s)
         blk = f"{1e3 * sum(r.blocking_s) / n:.1f}" if n else "-"
         per = f"{sum(r.persist_s) / len(r.persist_s):.3f}" if r.persist_s else "-"
-        log(f"{r.name:<46} {r.steps:>5} {n:>5} {blk:>11} {per:>9} {r.wall_s:>7.2f} "
+        log(f"{r.name:<{name_width}} {r.steps:>5} {n:>5} {blk:>11} {per:>9} {r.wall_s:>7.2f} "
             f"{100 * r.overhead:>7.2f}%")
 
 
@@ -295,7 +297,7 @@ def run(root: str = "./checkpoints", steps: int = 150, seed: int | None = None,
     ok_final = same(final, snaps[steps])
     managed.name = f"CheckpointManager (resumed, steps {start + 1}-{steps})"
     log("")
-    _table([ref, managed, stock], log)
+    print_runs([ref, managed, stock], log)
     for d in policy.decisions:
         log(f"   AdaptiveInterval: {d.describe()}")
     log(f"resumed state at step {start}: {'bit-exact' if ok_loaded else 'MISMATCH'} with the "

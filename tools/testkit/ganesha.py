@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
 
 from tools.testkit.ports import free_port
@@ -82,18 +81,7 @@ class GaneshaServer(ServerProcess):
                 "-N", "NIV_EVENT"]
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, cwd=self.base_dir)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"ganesha.nfsd exited with {self.proc.returncode} at "
-                                   f"startup; log:\n{self.tail()}")
-            if self._answers():
-                return
-            time.sleep(0.05)
-        log = self.tail()
-        self.stop()
-        raise RuntimeError(f"ganesha.nfsd did not answer on 127.0.0.1:{self.port} within "
-                           f"{START_TIMEOUT_S}s; log:\n{log}")
+        self.wait_until_up("ganesha.nfsd", f"127.0.0.1:{self.port}", START_TIMEOUT_S, 0.05)
 
     def _answers(self) -> bool:
         try:

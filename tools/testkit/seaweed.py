@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -78,17 +77,7 @@ class SeaweedServer(ServerProcess):
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, env=env, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, cwd=self.data_dir)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode} at startup; "
-                                   f"log:\n{self.tail()}")
-            if self._answers():
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"weed did not answer on {self.endpoint} within {START_TIMEOUT_S}s; "
-                           f"log:\n{self.tail()}")
+        self.wait_until_up("weed", self.endpoint, START_TIMEOUT_S, 0.2)
 
     def _answers(self) -> bool:
         try:

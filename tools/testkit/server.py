@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 
 
 class ServerProcess:
@@ -18,6 +19,26 @@ class ServerProcess:
     def scratch_dir(self) -> str:
         """The temporary tree removed on stop."""
         return ""
+
+    def _answers(self) -> bool:
+        """Whether the server answers a request yet."""
+        raise NotImplementedError
+
+    def wait_until_up(self, name: str, where: str, timeout: float, poll_s: float) -> None:
+        """Wait until :meth:`_answers`; stop it and raise (with the log's tail) if it exits
+        first or stays silent for ``timeout`` seconds."""
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {self.proc.returncode} at startup; "
+                                   f"log:\n{self.tail()}")
+            if self._answers():
+                return
+            time.sleep(poll_s)
+        log = self.tail()
+        self.stop()
+        raise RuntimeError(f"{name} did not answer on {where} within {timeout}s; log:\n{log}")
 
     def tail(self, n: int = 4000) -> str:
         try:
