@@ -35,11 +35,12 @@ def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capsys
         assert all(_finite(v) for v in row["x_limit"].values()), (name, row["x_limit"])
         if name != LIMITS:
             assert len(row["saves"]) == 2
-            # every case stages a full copy of the state, so its peak shows at least half of it
-            assert row["peak_extra_MiB"] >= state_mib / 2, (name, row["peak_extra_MiB"])
+            assert row["peak_extra_MiB"] >= 0, (name, row["peak_extra_MiB"])
             assert all(_finite(v) for v in row["x_dcp"].values()), (name, row["x_dcp"])
-    # one arena, reused by the second save: no second copy, no copy per tensor
-    assert rows[PLUS]["peak_extra_MiB"] < 4 * state_mib, rows[PLUS]["peak_extra_MiB"]
+    # The stock stagers' copies live only while a save runs, so a sampler can miss them; our
+    # arena stays for the next save, so its full copy shows, and only once: it is reused.
+    assert state_mib / 2 <= rows[PLUS]["peak_extra_MiB"] < 4 * state_mib, \
+        rows[PLUS]["peak_extra_MiB"]
     assert rows[DCP_DEFAULT]["x_dcp"]["persist_s"] == pytest.approx(1.0)
     assert rows[PLUS]["x_dcp"]["persist_s"] == pytest.approx(
         rows[PLUS]["persist_s"] / rows[DCP_DEFAULT]["persist_s"])
