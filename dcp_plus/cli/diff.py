@@ -8,12 +8,14 @@ hold equal bytes, and differing ones differ (in content, or in how they are stor
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_plus.format.record import Extent, dtype_name
 from dcp_plus.readers.inspect import load_record
+from dcp_plus.storage.urls import is_url
 
 
 def _items(md: Metadata) -> dict[str, dict[str, Any]]:
@@ -31,10 +33,13 @@ def _items(md: Metadata) -> dict[str, dict[str, Any]]:
     return out
 
 
-def diff_checkpoints(a: str, b: str) -> dict[str, Any]:
+def diff_checkpoints(a: str, b: str, storage_options: Mapping[str, Any] | None = None,
+                     ) -> dict[str, Any]:
     """``added`` / ``removed`` names, ``changed`` rows (name and what changed: dtype, shape,
-    bytes, content) and the count of ``same`` items, from ``a`` to ``b``."""
-    left, right = _items(load_record(a)), _items(load_record(b))
+    bytes, content) and the count of ``same`` items, from ``a`` to ``b`` (local paths or URLs;
+    ``storage_options`` for the URLs)."""
+    left = _items(load_record(a, storage_options if is_url(a) else None))
+    right = _items(load_record(b, storage_options if is_url(b) else None))
     changed = []
     for name in sorted(left.keys() & right.keys()):
         x, y = left[name], right[name]

@@ -1,5 +1,5 @@
-"""The ``dcp-plus`` command: ``demo``, ``ls ROOT``, ``inspect PATH``, ``verify PATH``,
-``diff A B``, ``plan``, ``bench``."""
+"""The ``dcp-plus`` command: ``demo``, ``ls ROOT``, ``gc ROOT``, ``inspect PATH``,
+``verify PATH``, ``diff A B``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _human(n: float) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dcp_plus.readers.inspect import summarize
 
-    info = summarize(args.path)
+    info = summarize(args.path, _storage_options(args.storage_option))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -41,6 +41,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _relative(message: str, path: str) -> str:
+    """``message`` with the checkpoint's own path left out of the names of its files."""
+    return message.replace(path.rstrip("/") + "/", "")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     """Exit 0: intact; 1: damage found (in the data, or a record that is there but edited,
     malformed, oversized or not a regular file); 2: no checkpoint at all."""
@@ -48,18 +57,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from dcp_plus.readers.inspect import load_record, stored_bytes, verify
 
+    options = _storage_options(args.storage_option)
     try:
-        record = load_record(args.path)  # decoded once: progress total and verification
+        record = load_record(args.path, options)  # decoded once: progress total and checks
         with tqdm(total=stored_bytes(record), unit="B", unit_scale=True, desc="verifying",
                   disable=args.json or None, file=sys.stderr) as bar:
-            report = verify(args.path, progress=bar.update, record=record)
+            report = verify(args.path, progress=bar.update, record=record,
+                            storage_options=options)
     except (CheckpointFormatError, CorruptCheckpointError) as e:  # the record itself is bad
-        problems = [str(e)]
+        problems = [_relative(str(e), args.path)]
         if args.json:
             print(json.dumps({"path": args.path, "ok": False, "extents": 0, "bytes": 0,
                               "problems": problems}, indent=2))
         else:
-            print(f"CORRUPT: {e}")
+            print(f"CORRUPT: {problems[0]}")
             print(f"{args.path}: the commit record is not valid: FAILED")
         return 1
     if args.json:
@@ -68,8 +79,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         for p in report.problems:
             print(f"CORRUPT: {p}")
-        verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problems)"
-        print(f"{args.path}: {report.extents} extents, {_human(report.bytes)} checked: {verdict}")
+        verdict = "OK" if report.ok else f"FAILED ({_plural(len(report.problems), 'problem')})"
+        print(f"{args.path}: {_plural(report.extents, 'extent')}, {_human(report.bytes)} "
+              f"checked: {verdict}")
     return 0 if report.ok else 1
 
 
@@ -114,11 +126,37 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    """Exit 0: done (or, ``--dry-run``, planned); 2: refused, or a removal failed."""
+    from dcp_plus.cli.gc import collect
+
+    res = collect(args.root, _storage_options(args.storage_option), keep_last=args.keep_last,
+                  keep_every=args.keep_every, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        verb = "would remove" if res["dry_run"] else "removed"
+        for r in res["remove"]:
+            size = "" if r["bytes"] is None else f"  {_human(r['bytes'])}"
+            print(f"{verb:<12} {r['name']:<24} {r['why']}{size}")
+        for r in res.get("failed", []):
+            print(f"{'NOT removed':<12} {r['name']:<24} {r['why']} (see the warning above)")
+        for r in res["keep"]:
+            mark = "  <- latest" if r["latest"] else ""
+            state = "DAMAGED" if r["problem"] else "committed"
+            print(f"{'kept':<12} {r['name']:<24} {state}{mark}")
+        if res["held_by"]:
+            print(f"note: a job holds this root ({res['held_by']}): gc would refuse now")
+        print(f"{len(res['remove'])} {'to remove (dry run)' if res['dry_run'] else 'removed'}, "
+              f"{_human(res['freed_bytes'])} of committed data freed, {len(res['keep'])} kept")
+    return 2 if res.get("failed") else 0
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     """Exit 0: the same tensors with the same content; 1: they differ."""
     from dcp_plus.cli.diff import diff_checkpoints
 
-    d = diff_checkpoints(args.a, args.b)
+    d = diff_checkpoints(args.a, args.b, _storage_options(args.storage_option))
     differ = bool(d["added"] or d["removed"] or d["changed"])
     if args.json:
         print(json.dumps(d, indent=2))
@@ -157,6 +195,12 @@ def _version() -> str:
     return __version__
 
 
+def _add_storage_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="for an s3:// (fsspec) or nfs:// location: a client option, e.g. "
+                        "endpoint_url=http://127.0.0.1:8333 (repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dcp-plus", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -171,26 +215,40 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", help="the checkpoints under a root (a directory or URL)")
     ls.add_argument("root")
-    ls.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="passed to fsspec for a URL root (repeatable)")
+    _add_storage_option(ls)
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=cmd_ls)
+
+    g = sub.add_parser("gc", help="remove a root's uncommitted saves and apply retention "
+                                  "(never the newest committed checkpoint)")
+    g.add_argument("root")
+    g.add_argument("--dry-run", action="store_true", help="say what would go; change nothing")
+    g.add_argument("--keep-last", type=int, default=None, metavar="N",
+                   help="keep the N newest committed checkpoints (default: all)")
+    g.add_argument("--keep-every", type=int, default=None, metavar="K",
+                   help="also keep every step that is a multiple of K")
+    _add_storage_option(g)
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(func=cmd_gc)
 
     df = sub.add_parser("diff", help="tensors added, removed or changed from checkpoint A to "
                                      "B; exit 1 if they differ")
     df.add_argument("a")
     df.add_argument("b")
+    _add_storage_option(df)
     df.add_argument("--json", action="store_true")
     df.set_defaults(func=cmd_diff)
 
-    i = sub.add_parser("inspect", help="list the tensors of a checkpoint")
+    i = sub.add_parser("inspect", help="list the tensors of a checkpoint (a directory or URL)")
     i.add_argument("path")
+    _add_storage_option(i)
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=cmd_inspect)
 
     v = sub.add_parser("verify", help="re-checksum every extent; exit 1 on damage, 2 if not a "
                                       "checkpoint")
     v.add_argument("path")
+    _add_storage_option(v)
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
 

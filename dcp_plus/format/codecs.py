@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -24,6 +25,22 @@ import numpy as np
 MAGIC = b"DZF1"
 _HEAD = struct.Struct("<4sB3xII")
 DEFAULT_FRAME_SIZE = 4 << 20
+MAX_FRAMES = 1 << 24  # 64 TiB of raw bytes at the default frame size: larger is damage
+
+
+def stored_length(read_at: Callable[[int, int], bytes]) -> int | None:
+    """The stored length a compressed extent's header announces (header, frame table and
+    frames), ``read_at(offset, n)`` reading the extent's bytes; None without a valid header."""
+    head = read_at(0, _HEAD.size)
+    if len(head) < _HEAD.size:
+        return None
+    magic, k, frame_size, n = _HEAD.unpack_from(head)
+    if magic != MAGIC or k < 1 or frame_size < 1 or n > MAX_FRAMES:
+        return None
+    table = read_at(_HEAD.size, 4 * n)
+    if len(table) < 4 * n:
+        return None
+    return _HEAD.size + 4 * n + sum(struct.unpack(f"<{n}I", table))
 
 
 class Codec(Protocol):

@@ -47,17 +47,27 @@ def verify_checksum(data: memoryview, ext: Extent, what: str, root: str,
     check_digest(checksum_bytes(data), ext, what, root, identity)
 
 
-def check_digest(actual: str, ext: Extent, what: str, root: str, identity: str) -> None:
-    """:func:`verify_checksum` given the content checksum of the extent's bytes."""
+def digest_matches(actual: str, ext: Extent, identity: str) -> bool:
+    """Whether the content checksum ``actual`` is the one ``ext`` records (bound to
+    ``identity`` for version-2 checksums).
+
+    Raises:
+        CheckpointFormatError: the record names an unsupported checksum algorithm.
+    """
     algorithm = ext.checksum.split(":", 1)[0]
     if algorithm == BOUND_ALGORITHM:
-        ok = bind_checksum(actual, identity) == ext.checksum
-    elif algorithm == ALGORITHM:
-        ok = actual == ext.checksum
-    else:
-        raise CheckpointFormatError(
-            f"{os.path.join(root, ext.file)}: {what}: unsupported checksum {ext.checksum!r}"
-        )
+        return bind_checksum(actual, identity) == ext.checksum
+    if algorithm == ALGORITHM:
+        return actual == ext.checksum
+    raise CheckpointFormatError(f"unsupported checksum {ext.checksum!r}")
+
+
+def check_digest(actual: str, ext: Extent, what: str, root: str, identity: str) -> None:
+    """:func:`verify_checksum` given the content checksum of the extent's bytes."""
+    try:
+        ok = digest_matches(actual, ext, identity)
+    except CheckpointFormatError as e:
+        raise CheckpointFormatError(f"{os.path.join(root, ext.file)}: {what}: {e}") from None
     if not ok:
         raise CorruptCheckpointError(
             f"{os.path.join(root, ext.file)}: checksum mismatch in {what} (bytes "

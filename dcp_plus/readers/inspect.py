@@ -1,31 +1,50 @@
-"""Summaries of a committed checkpoint, and full re-verification of its checksums."""
+"""Summaries of a committed checkpoint, and full re-verification of its checksums.
+
+Both work on any location a dcp_plus reader reads (:func:`~dcp_plus.readers.locate.reader_for`:
+a local path, ``nfs://``, ``s3://`` or another fsspec URL), through the reader's store.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeCheckpointError
-from dcp_plus.format.checksum import format_checksum, new_hasher
-from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
-from dcp_plus.readers.extents import check_digest
-from dcp_plus.readers.local import describe, read_record
-from dcp_plus.storage.fileio import open_regular, preadinto_all
+from dcp_plus.errors import UnsafeCheckpointError
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name
+from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
+from dcp_plus.readers.file_check import VerifyReport, check_file
+from dcp_plus.readers.locate import reader_for
+
+__all__ = ["VerifyReport", "load_record", "stored_bytes", "summarize", "verify"]
+
+Location = str | os.PathLike
 
 
-def load_record(path: str) -> Metadata:
-    """Parse the commit record at ``path``; stock (pickled) records are refused."""
-    data = read_record(path)
-    if data[:1] == b"\x80":  # a pickle's protocol byte
+def _open(location: Location, storage_options: Mapping[str, Any] | None) -> ExtentReader:
+    return reader_for(location, storage_options)
+
+
+def _record(reader: ExtentReader) -> Metadata:
+    data = reader._record_bytes()
+    if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
         raise UnsafeCheckpointError(
-            f"{path}: {RECORD_NAME} is not a dcp_plus record (a stock DCP pickle?); "
-            "dcp-plus never unpickles records"
-        )
-    return decode_record(data, os.path.join(path, RECORD_NAME))
+            f"{reader.path}: {RECORD_NAME} is a pickle (a stock DCP checkpoint), and dcp-plus "
+            "never unpickles: unpickling can run arbitrary code. To read it, convert it once "
+            "with `dcp-plus convert --allow-pickle SRC DST` (only for checkpoints you trust)")
+    return decode_record(data, reader._location(RECORD_NAME))
+
+
+def load_record(location: Location, storage_options: Mapping[str, Any] | None = None,
+                ) -> Metadata:
+    """Parse the commit record at ``location``; stock (pickled) records are refused."""
+    reader = _open(location, storage_options)
+    try:
+        return _record(reader)
+    finally:
+        reader.close()
 
 
 def stored_bytes(md: Metadata) -> int:
@@ -37,9 +56,10 @@ def _extents(md: Metadata) -> dict[MetadataIndex, Extent]:
     return cast(dict[MetadataIndex, Extent], md.storage_data)
 
 
-def summarize(path: str) -> dict[str, Any]:
+def summarize(location: Location, storage_options: Mapping[str, Any] | None = None,
+              ) -> dict[str, Any]:
     """Per-item rows (name, dtype, shape, bytes, codec, file) and totals, JSON-ready."""
-    md = load_record(path)
+    md = load_record(location, storage_options)
     rows = []
     for index, ext in sorted(_extents(md).items(), key=lambda kv: (kv[0].fqn, kv[1].offset)):
         item = md.state_dict_metadata[index.fqn]
@@ -56,7 +76,7 @@ def summarize(path: str) -> dict[str, Any]:
     stored = sum(r["stored_bytes"] for r in rows)
     n_tensors = sum(isinstance(v, TensorStorageMetadata) for v in md.state_dict_metadata.values())
     return {
-        "path": path,
+        "path": os.fspath(location),
         "save_id": md.storage_meta.save_id if md.storage_meta else None,
         "items": rows,
         "totals": {"tensors": n_tensors, "items": len(md.state_dict_metadata),
@@ -66,89 +86,26 @@ def summarize(path: str) -> dict[str, Any]:
     }
 
 
-@dataclass
-class VerifyReport:
-    """Outcome of :func:`verify`: bytes checked and one message per problem."""
-
-    path: str
-    extents: int = 0
-    bytes: int = 0
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-def verify(path: str, progress: Callable[[int], None] | None = None,
-           record: Metadata | None = None) -> VerifyReport:
-    """Re-read and re-checksum every extent; problems name the file and the tensor.
+def verify(location: Location, progress: Callable[[int], None] | None = None,
+           record: Metadata | None = None,
+           storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+    """Re-read and re-checksum every extent; at most one problem line per damaged file
+    (named relative to the checkpoint), naming its tensors.
 
     ``record``: the checkpoint's :func:`load_record`, if the caller has it already.
     """
-    md = load_record(path) if record is None else record
-    report = VerifyReport(path)
-    by_file: dict[str, list[tuple[MetadataIndex, Extent]]] = {}
-    for index, ext in _extents(md).items():
-        by_file.setdefault(ext.file, []).append((index, ext))
-    dtypes = {fqn: dtype_name(item.properties.dtype)
-              for fqn, item in md.state_dict_metadata.items()
-              if isinstance(item, TensorStorageMetadata)}
-    for name, entries in sorted(by_file.items()):
-        full = os.path.join(path, name)
-        try:
-            fd = open_regular(path, name)
-        except (CheckpointFormatError, OSError) as e:
-            report.problems.append(f"{os.path.join(path, name)}: {e} (holds "
-                                   f"{', '.join(describe(i) for i, _ in entries[:3])}...)")
-            continue
-        try:
-            size = os.fstat(fd).st_size
-            covered = 0
-            for index, ext in sorted(entries, key=lambda e: e[1].offset):
-                _check_padding(fd, full, covered, min(ext.offset, size), report)
-                covered = max(covered, ext.offset + ext.length)
-                report.extents += 1
-                if ext.length and ext.offset + ext.length > size:
-                    report.problems.append(
-                        f"{full}: {describe(index)} (bytes {ext.offset}..{ext.offset + ext.length})"
-                        f" runs past the end of the file ({size} bytes): truncated")
-                    continue
-                hasher = new_hasher()
-                for piece in _pieces(fd, full, ext.offset, ext.offset + ext.length):
-                    hasher.update(piece)
-                try:
-                    check_digest(format_checksum(hasher), ext, describe(index), path,
-                                 extent_identity(index, dtypes.get(index.fqn), ext))
-                except (CorruptCheckpointError, CheckpointFormatError) as e:
-                    report.problems.append(str(e))
-                report.bytes += ext.length
-                if progress is not None:
-                    progress(ext.length)
-            _check_padding(fd, full, covered, size, report)
-        finally:
-            os.close(fd)
-    return report
-
-
-_PIECE = 16 << 20
-
-
-def _pieces(fd: int, path: str, start: int, end: int) -> Iterator[memoryview]:
-    """Bytes ``[start, end)`` of ``fd`` in pieces of at most 16 MiB (one buffer, reused)."""
-    buf = memoryview(bytearray(min(_PIECE, max(0, end - start))))
-    pos = start
-    while pos < end:
-        view = buf[: min(_PIECE, end - pos)]
-        preadinto_all(fd, view, pos, path)
-        yield view
-        pos += len(view)
-
-
-def _check_padding(fd: int, path: str, start: int, end: int, report: VerifyReport) -> None:
-    """Bytes between extents are alignment padding, written as zeros: anything else is damage."""
-    if end <= start:
-        return
-    if any(piece.tobytes().strip(b"\0") for piece in _pieces(fd, path, start, end)):
-        report.problems.append(f"{path}: padding bytes {start}..{end} (outside every extent) "
-                               "are not zero: the data file is damaged")
+    reader = _open(location, storage_options)
+    try:
+        md = _record(reader) if record is None else record
+        report = VerifyReport(os.fspath(location))
+        by_file: dict[str, list[tuple[MetadataIndex, Extent]]] = {}
+        for index, ext in _extents(md).items():
+            by_file.setdefault(ext.file, []).append((index, ext))
+        dtypes = {fqn: dtype_name(item.properties.dtype)
+                  for fqn, item in md.state_dict_metadata.items()
+                  if isinstance(item, TensorStorageMetadata)}
+        for name, entries in sorted(by_file.items()):
+            check_file(reader._store, name, entries, dtypes, report, progress)
+        return report
+    finally:
+        reader.close()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
+from tools.testkit.ganesha import GaneshaServer, ganesha_binary
 from tools.testkit.seaweed import BUCKET, SeaweedServer, weed_binary
 
 
@@ -28,6 +30,25 @@ def seaweed() -> Iterator[SeaweedServer]:
             client.create_bucket(Bucket=BUCKET)
         except client.exceptions.BucketAlreadyOwnedByYou:
             pass  # created from S3_BUCKET at startup
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ganesha() -> Iterator[GaneshaServer]:
+    """nfs-ganesha (NFSv4 only) on 127.0.0.1, exporting a fresh ext4 directory as /export."""
+    binary = ganesha_binary()
+    if binary is None:
+        pytest.skip("nfs-ganesha is not installed (apt-get install -y nfs-ganesha "
+                    "nfs-ganesha-vfs): no ganesha.nfsd on PATH")
+    pytest.importorskip("nfs_rs", reason="the nfs:// tests need the user-space NFS client "
+                                         "(pip install 'dcp-plus[nfs]')")
+    if os.geteuid() != 0:
+        pytest.skip("ganesha.nfsd needs root to serve the VFS FSAL (open_by_handle_at)")
+    server = GaneshaServer(binary)
+    server.start()
+    try:
         yield server
     finally:
         server.stop()

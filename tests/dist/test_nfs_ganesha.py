@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,34 +19,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_plus import CheckpointExistsError, NFSReader, NFSWriter, SafeLoadPlanner
-from dcp_plus.storage.nfsio import NfsStore
 from dcp_plus.readers import latest_committed, list_committed
+from dcp_plus.storage.nfsio import NfsStore
 from tests.conftest import assert_bit_exact, build_state_dict, flip_byte, load_target
-from tools.testkit.ganesha import GaneshaServer, ganesha_binary
+from tools.testkit.ganesha import GaneshaServer
 from tools.testkit.world import assert_case_ok, run_world
 
 pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 FAST = {"retry_base_delay": 0.0}
-
-
-@pytest.fixture(scope="session")
-def ganesha() -> Iterator[GaneshaServer]:
-    """nfs-ganesha (NFSv4 only) on 127.0.0.1, exporting a fresh ext4 directory as /export."""
-    binary = ganesha_binary()
-    if binary is None:
-        pytest.skip("nfs-ganesha is not installed (apt-get install -y nfs-ganesha "
-                    "nfs-ganesha-vfs): no ganesha.nfsd on PATH")
-    pytest.importorskip("nfs_rs", reason="the nfs:// tests need the user-space NFS client "
-                                         "(pip install 'dcp-plus[nfs]')")
-    if os.geteuid() != 0:
-        pytest.skip("ganesha.nfsd needs root to serve the VFS FSAL (open_by_handle_at)")
-    server = GaneshaServer(binary)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
