@@ -211,6 +211,18 @@ class RootLease:
         raise LeaseHeldError(f"{self.store.location}: could not acquire the lease; other "
                              "processes kept acquiring it first")
 
+    def current(self) -> tuple[Holder | None, bool, str] | None:
+        """Who holds the lease now, without taking it: ``(holder, alive, why)``, or None when
+        nobody does (``holder`` is None when its record is unreadable)."""
+        top = max(self._generations(), default=0)
+        if not top or self.store.read(gen_name(top) + ".released") is not None:
+            return None
+        data = self.store.read(gen_name(top))
+        holder = Holder.decode(data) if data is not None else None
+        if holder is None:
+            return None, False, f"its lease record {gen_name(top)} is unreadable"
+        return (holder, *self.assess(holder))
+
     def _may_take(self, generation: int, takeover: bool) -> None:
         """Return if generation ``generation``'s holder may be displaced, else raise."""
         data = self.store.read(gen_name(generation))

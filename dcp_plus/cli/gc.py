@@ -1,0 +1,81 @@
+"""``dcp-plus gc ROOT``: remove a manager root's uncommitted saves and apply retention,
+without a training job, under the root's lease (so never beside a live writer)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from dcp_plus.cli.listing import list_root
+from dcp_plus.errors import DcpPlusError
+from dcp_plus.manager.lease import LEASE_DIR, RootLease
+from dcp_plus.manager.retention import to_remove
+from dcp_plus.manager.root import CheckpointRoot
+from dcp_plus.manager.storage import Backend, backend_for
+from dcp_plus.storage.urls import is_url
+
+
+def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
+            keep_last: int | None = None, keep_every: int | None = None,
+            dry_run: bool = False) -> dict[str, Any]:
+    """What gc removes (or, with ``dry_run``, would remove) under ``root``: uncommitted step
+    folders, and the committed steps retention drops (``keep_last`` newest and multiples of
+    ``keep_every`` kept; the newest committed step always). JSON-ready."""
+    if keep_last is not None and keep_last < 1:
+        raise DcpPlusError(f"--keep-last {keep_last}: keep at least 1 checkpoint (gc never "
+                           "removes the newest committed one)")
+    if keep_every is not None and keep_every < 1:
+        raise DcpPlusError(f"--keep-every {keep_every}: expected a step multiple >= 1")
+    if not is_url(root) and not os.path.isdir(root):
+        raise DcpPlusError(f"{root}: no such directory" if not os.path.exists(root)
+                           else f"{root}: not a directory, so not a checkpoint root")
+    backend, location = backend_for(root, storage_options)
+    lease = RootLease(backend.lease_store(backend.join(location, LEASE_DIR)))
+    holder = lease.current()
+    if holder is not None and (holder[1] or holder[0] is None):
+        who = holder[0].describe() if holder[0] else "an unknown writer"
+        if not dry_run:
+            raise DcpPlusError(f"{root} is in use by {who} ({holder[2]}): gc changes a root "
+                               "only while no job writes to it; stop the job first (--dry-run "
+                               "shows what gc would remove)")
+    if dry_run:
+        return _plan(root, storage_options, keep_last, keep_every,
+                     holder=holder[2] if holder else None)
+    lease.acquire(takeover=True)  # a dead holder's lease only: a live one refuses
+    try:
+        return _apply(root, storage_options, backend, location, keep_last, keep_every)
+    finally:
+        lease.release()
+
+
+def _plan(root: str, storage_options: Mapping[str, Any] | None, keep_last: int | None,
+          keep_every: int | None, *, holder: str | None) -> dict[str, Any]:
+    rows = [r for r in list_root(root, storage_options)["checkpoints"] if r["step"] is not None]
+    dropped = set(to_remove([r["step"] for r in rows if r["committed"]], keep_last, keep_every))
+    remove: list[dict[str, Any]] = []
+    keep: list[dict[str, Any]] = []
+    for r in rows:
+        why = ("uncommitted" if not r["committed"] else
+               "retention" if r["step"] in dropped else None)
+        (remove if why else keep).append({**r, "why": why})
+    return {"root": root, "dry_run": True, "held_by": holder, "remove": remove, "keep": keep,
+            "freed_bytes": _bytes(remove)}
+
+
+def _bytes(rows: list[dict[str, Any]]) -> int:
+    return sum(int(r["bytes"] or 0) for r in rows)
+
+
+def _apply(root: str, storage_options: Mapping[str, Any] | None, backend: Backend,
+           location: str, keep_last: int | None, keep_every: int | None) -> dict[str, Any]:
+    planned = _plan(root, storage_options, keep_last, keep_every, holder=None)
+    croot = CheckpointRoot(backend, location)
+    gone = set(croot.clean_uncommitted())
+    retained_out = set(croot.retain(keep_last, keep_every, lambda step: None))
+    croot.repair_pointer()
+    removed = [r for r in planned["remove"]
+               if r["path"] in gone or r["step"] in retained_out]
+    failed = [r for r in planned["remove"] if r not in removed]
+    return {**planned, "dry_run": False, "remove": removed, "failed": failed,
+            "freed_bytes": _bytes(removed)}
