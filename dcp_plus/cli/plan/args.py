@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from dcp_plus.cli.plan.model import CapacityInputError, CapacityInputs
+from dcp_plus.cli.plan.inputs import CapacityInputError, CapacityInputs
 from dcp_plus.cli.plan.units import parse_count, parse_duration, parse_fraction
 
 

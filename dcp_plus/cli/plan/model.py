@@ -16,144 +16,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dcp_plus.cli.plan.failures import best_interval_steps, expected_goodput, rollback_s
+from dcp_plus.cli.plan.inputs import GB, CapacityInputError, CapacityInputs, bound, nodes, times
 from dcp_plus.cli.plan.units import human_duration as _hd
-from dcp_plus.errors import DcpPlusError
+
+__all__ = ["CapacityInputError", "CapacityInputs", "CapacityPlan", "ModePlan",
+           "checkfreq_exposed_s", "checkfreq_interval_steps", "plan_capacity",
+           "young_daly_interval_s"]
 
 _EPS = 1e-9  # ceil(1/0.05) must be 20, not 21
-_GB = 1e9
 FIRST_ORDER_LIMIT = 0.1
 """Share of the MTBF above which the first-order (Young/Daly) model is flagged as not holding."""
 NO_PROGRESS_GOODPUT = 0.01
 """Goodput below which a mode is flagged as making (almost) no progress."""
-GOODPUT_MODEL = ("exponential failures at rate 1/MTBF, exact: goodput = (T/M) e^(-(T+L+R)/M) "
-                 "/ (1 - e^(-(T+C)/M)); for L = C, Daly's E[period] = M e^(R/M) "
-                 "(e^((T+C)/M) - 1)")
-
-
-class CapacityInputError(DcpPlusError, ValueError):
-    """The planner's inputs are inconsistent; the message names the field, and ``field`` is
-    that field's name (for a command line to name its flag)."""
-
-    def __init__(self, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-def _refuse(name: str, problem: str) -> CapacityInputError:
-    return CapacityInputError(f"{name} {problem}", field=name)
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class CapacityInputs:
-    """What the planner needs to know about a training job."""
-
-    params: float
-    """Number of model parameters (405e9 for Llama 3 405B)."""
-    bytes_per_param: float
-    """Checkpointed bytes per parameter, model and optimizer state together (weights in bf16
-    plus fp32 master weights and two fp32 Adam moments: 2 + 12 = 14)."""
-    ranks: int
-    """Training processes (GPUs) in the job."""
-    gpus_per_node: int = 8
-    """GPUs (ranks) per host; host memory is per node, and a host is one storage client."""
-    shard_degree: int | None = None
-    """Ranks one copy of the state is split over: ``None`` = all ranks (FSDP/ZeRO-3), 1 =
-    replicated (DDP), an HSDP shard group size or TP x PP group size otherwise. Replicas
-    (``ranks / shard_degree``) hold the same bytes; DCP writes each item once."""
-    d2h_gbps: float = 25.0
-    """Device-to-host copy bandwidth per GPU (PCIe Gen4 x16 ~25, Gen5 x16 ~50)."""
-    storage_gbps: float
-    """Aggregate write bandwidth of the durable storage available to the whole job."""
-    storage_read_gbps: float | None = None
-    """Aggregate read bandwidth for a restart; ``None`` = ``storage_gbps``."""
-    client_gbps: float | None = None
-    """Storage bandwidth of one client (node); ``None`` = not a bound. Writes and reads go at
-    most at nodes x ``client_gbps``."""
-    peer_gbps: float = 25.0
-    """Per-GPU network bandwidth to the partner node holding the peer replica (tiered mode)."""
-    iteration_s: float
-    """Time of one training step (iteration)."""
-    weight_update_s: float | None = None
-    """CheckFreq's Tw, the weight-update (optimizer step) part of ``iteration_s``: the snapshot
-    overlaps the next iteration's forward and backward pass and must end before its weight
-    update, so it blocks for max(0, Tc - (Ti - Tw)). ``None``: use ``stage_hidden_fraction``."""
-    mtbf_s: float
-    """Mean time between failures of the whole job (node MTBF / nodes)."""
-    overhead_budget: float = 0.05
-    """CheckFreq's p: the fraction of training time checkpointing may cost."""
-    stage_hidden_fraction: float = 0.0
-    """Fraction of the device-to-host copy hidden behind forward/backward (0 = the whole copy
-    blocks training)."""
-    restart_s: float = 0.0
-    """Fixed cost of a restart besides loading state: rescheduling, process start, init."""
-    interval_s: float | None = None
-    """A chosen training time between checkpoints, to evaluate next to the optimum; rounded
-    up to whole steps, never shorter than a checkpoint takes to persist."""
-
-    def __post_init__(self) -> None:
-        positive = ("params", "bytes_per_param", "d2h_gbps", "storage_gbps", "peer_gbps",
-                    "iteration_s", "mtbf_s")
-        optional = ("storage_read_gbps", "client_gbps", "weight_update_s", "interval_s")
-        for name in positive + optional:
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise _refuse(name, f"must be a positive number, got {value!r}")
-        for name in ("ranks", "gpus_per_node"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise _refuse(name, f"must be a positive integer, got {value!r}")
-        sd = self.shard_degree
-        if sd is not None and not (isinstance(sd, int) and 1 <= sd <= self.ranks
-                                   and self.ranks % sd == 0):
-            raise _refuse("shard_degree", f"must divide ranks={self.ranks}, got {sd!r} "
-                          "(None for fully sharded, 1 for replicated)")
-        if not 0 < self.overhead_budget < 1:
-            raise _refuse("overhead_budget", f"must lie in (0, 1), got "
-                          f"{self.overhead_budget!r} (5% = 0.05)")
-        if not 0 <= self.stage_hidden_fraction <= 1:
-            raise _refuse("stage_hidden_fraction",
-                          f"must lie in [0, 1], got {self.stage_hidden_fraction!r}")
-        if not (math.isfinite(self.restart_s) and self.restart_s >= 0):
-            raise _refuse("restart_s", f"must not be negative, got {self.restart_s!r}")
-        self._check_overlap_and_interval()
-
-    def _check_overlap_and_interval(self) -> None:
-        tw, ti = self.weight_update_s, self.iteration_s
-        if tw is not None and tw > ti:
-            raise _refuse("weight_update_s", f"({tw:g} s) is part of an iteration and cannot "
-                          f"exceed iteration_s ({ti:g} s)")
-        if tw is not None and self.stage_hidden_fraction > 0:
-            raise _refuse("weight_update_s", "and stage_hidden_fraction both say how much of "
-                          "the snapshot overlaps training: give one")
-        if self.interval_s is None:
-            return
-        if self.interval_s < ti:
-            raise _refuse("interval_s", f"({self.interval_s:g} s) is shorter than one "
-                          f"iteration ({ti:g} s)")
-        checkpoint_s = sum(_times(self))
-        if self.interval_s < checkpoint_s:
-            raise _refuse("interval_s", f"({self.interval_s:g} s) is shorter than a checkpoint "
-                          f"takes to persist (stage + persist = {checkpoint_s:.4g} s): the "
-                          "next one would start before the last is durable")
-
-
-def _bound(storage: float, x: CapacityInputs, nodes: int) -> tuple[float, str]:
-    if x.client_gbps is None or storage <= nodes * x.client_gbps:
-        return storage, "storage"
-    return nodes * x.client_gbps, "clients"
-
-
-def _nodes(x: CapacityInputs) -> int:
-    return math.ceil(x.ranks / x.gpus_per_node)
-
-
-def _times(x: CapacityInputs) -> tuple[float, float]:
-    """(stage_s, persist_s): one rank's D2H copy, one copy of the state to storage."""
-    per_rank = x.params * x.bytes_per_param / (x.shard_degree or x.ranks)
-    gbps = _bound(x.storage_gbps, x, _nodes(x))[0]
-    return per_rank / (x.d2h_gbps * _GB), x.params * x.bytes_per_param / (gbps * _GB)
+GOODPUT_MODEL = ("exponential failures, exact: goodput = (T/M) e^(-(T+L+R)/M) / "
+                 "(1 - e^(-(T+C)/M))")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -341,19 +217,19 @@ def plan_capacity(inputs: CapacityInputs) -> CapacityPlan:
     """
     x = inputs
     shard_degree = x.shard_degree or x.ranks
-    nodes = _nodes(x)
+    n = nodes(x)
     state = x.params * x.bytes_per_param
     per_rank = state / shard_degree
-    stage_s, persist_s = _times(x)
+    stage_s, persist_s = times(x)
     if x.weight_update_s is None:
         exposed = stage_s * (1 - x.stage_hidden_fraction)
     else:
         exposed = checkfreq_exposed_s(snapshot_s=stage_s, iteration_s=x.iteration_s,
                                       weight_update_s=x.weight_update_s)
-    persist_gbps, persist_bound = _bound(x.storage_gbps, x, nodes)
-    load_gbps, load_bound = _bound(x.storage_read_gbps or x.storage_gbps, x, nodes)
-    load_s = state / (load_gbps * _GB)
-    replicate_s = per_rank / (x.peer_gbps * _GB)
+    persist_gbps, persist_bound = bound(x.storage_gbps, x, n)
+    load_gbps, load_bound = bound(x.storage_read_gbps or x.storage_gbps, x, n)
+    load_s = state / (load_gbps * GB)
+    replicate_s = per_rank / (x.peer_gbps * GB)
     ti = x.iteration_s
 
     k = checkfreq_interval_steps(snapshot_s=stage_s, persist_s=persist_s, exposed_s=exposed,
@@ -361,14 +237,16 @@ def plan_capacity(inputs: CapacityInputs) -> CapacityPlan:
     expected, worst = rollback_s(compute_s=k * ti, blocking_s=exposed,
                                  recoverable_after_s=stage_s + persist_s)
     daly_s = young_daly_interval_s(checkpoint_s=stage_s + persist_s, mtbf_s=x.mtbf_s)
-    times = dict(stage_s=stage_s, exposed=exposed, persist_s=persist_s, load_s=load_s,
-                 replicate_s=replicate_s)
-    modes = _modes(x, **times)
-    at = None if x.interval_s is None else _modes(x, **times, steps=_ceil(x.interval_s / ti))
+    def modes_at(steps: int | None) -> dict[str, ModePlan]:
+        return _modes(x, stage_s=stage_s, exposed=exposed, persist_s=persist_s, load_s=load_s,
+                      replicate_s=replicate_s, steps=steps)
+
+    modes = modes_at(None)
+    at = None if x.interval_s is None else modes_at(_ceil(x.interval_s / ti))
     tables = {"": modes, **({} if at is None else {" at the chosen interval": at})}
     return CapacityPlan(
         inputs=x, state_bytes=state, per_rank_state_bytes=per_rank,
-        replicas=x.ranks // shard_degree, nodes=nodes, stage_s=stage_s,
+        replicas=x.ranks // shard_degree, nodes=n, stage_s=stage_s,
         exposed_stage_s=exposed, persist_gbps=persist_gbps, persist_bound=persist_bound,
         persist_s=persist_s, load_gbps=load_gbps, load_bound=load_bound, load_s=load_s,
         replicate_s=replicate_s, checkfreq_interval_steps=k,

@@ -70,7 +70,7 @@ def render_text(plan: CapacityPlan) -> str:
         lines += ["", f"at --interval {human_duration(x.interval_s or 0.0)} (every {steps} "
                       f"steps, {human_duration(steps * ti)}):",
                   *_table(plan.at_interval, best=plan.modes)]
-    lines += ["", f"goodput model: {plan.goodput_model}; T = every x Ti, C blocking, "
-                  "L durable, R recovery, M MTBF",
+    lines += ["", f"goodput model: {plan.goodput_model}",
+              "  (T = every x Ti, C blocking, L durable, R recovery, M MTBF; Daly 2006 for L = C)",
               *(f"WARNING: {w}" for w in plan.warnings)]
     return "\n".join(lines)
