@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import pytest
 
@@ -16,6 +17,7 @@ from dcp_plus.cli.plan import (
     render_text,
     young_daly_interval_s,
 )
+from dcp_plus.cli.plan.failures import expected_goodput
 from dcp_plus.cli.plan.units import human_bytes, human_duration
 
 # Llama 3 405B: 4.05 TB of model + optimizer state (10 B/param), split over a 128-rank
@@ -76,6 +78,11 @@ def test_hiding_staging_behind_compute_shortens_the_budget_bound():
     assert hidden.checkfreq_interval_steps == math.ceil(hidden.exposed_stage_s / 0.05)  # 7
 
 
+def exact_goodput(t: float, c: float, el: float, r: float, m: float) -> float:
+    """docs/cli.md: (T/M) e^(-(T+L+R)/M) / (1 - e^(-(T+C)/M))."""
+    return (t / m) * math.exp(-(t + el + r) / m) / (1 - math.exp(-(t + c) / m))
+
+
 def test_young_daly_interval_is_sqrt_2_c_mtbf_converted_to_steps():
     assert young_daly_interval_s(checkpoint_s=60.0, mtbf_s=86400.0) == pytest.approx(3219.94,
                                                                                       abs=0.01)
@@ -83,32 +90,94 @@ def test_young_daly_interval_is_sqrt_2_c_mtbf_converted_to_steps():
     sync_c = plan.stage_s + plan.persist_s
     assert plan.daly_interval_s == pytest.approx(math.sqrt(2 * sync_c * 3 * 3600.0))
     assert plan.daly_interval_steps == round(plan.daly_interval_s / 5.0)
-    assert plan.modes["sync"].interval_steps == plan.daly_interval_steps
 
 
-def test_sync_goodput_follows_the_stated_lost_work_model():
+def test_the_exact_optimum_approaches_young_daly_when_the_checkpoint_is_small_against_mtbf():
+    # C = 811 s against a 1,000 h MTBF: C/M = 2.3e-4, Daly's correction sqrt(C/2M)/3 = 0.4%
+    plan = plan_capacity(llama(mtbf_s=1000 * 3600.0))
+    assert plan.modes["sync"].interval_steps == pytest.approx(plan.daly_interval_steps,
+                                                              rel=0.01)
+    assert not plan.warnings
+    # at 3 h (C/M = 7.5%) the first-order interval is 14% too long, and the plan says so
+    plan = plan_capacity(llama())
+    assert plan.modes["sync"].interval_steps < 0.9 * plan.daly_interval_steps
+    assert "first-order Young/Daly" in plan.warnings[0]
+
+
+def test_sync_goodput_is_dalys_exact_expected_time_per_period():
     plan = plan_capacity(llama(restart_s=120.0))
     m = plan.modes["sync"]
-    c, t = plan.stage_s + plan.persist_s, m.interval_steps * 5.0
+    c, t, big_m = plan.stage_s + plan.persist_s, m.interval_steps * 5.0, 3 * 3600.0
     r = 120.0 + plan.load_s
 
-    assert (m.blocking_s, m.recovery_s) == pytest.approx((c, r))
+    assert (m.blocking_s, m.recovery_s, m.durable_after_s) == pytest.approx((c, r, c))
     assert m.overhead_fraction == pytest.approx(c / (t + c))
-    assert m.lost_fraction == pytest.approx((r + (t + c) / 2 + c) / (3 * 3600.0))
-    assert m.goodput == pytest.approx((1 - c / (t + c)) * (1 - m.lost_fraction))
+    period = big_m * math.exp(r / big_m) * (math.exp((t + c) / big_m) - 1)  # Daly 2006
+    assert m.goodput == pytest.approx(t / period) == pytest.approx(
+        exact_goodput(t, c, c, r, big_m))
+    assert m.goodput == pytest.approx((1 - m.overhead_fraction) * (1 - m.lost_fraction))
 
 
-def test_daly_interval_is_near_the_best_sync_goodput():
+def test_each_mode_checkpoints_at_its_best_whole_number_of_steps():
     base = plan_capacity(llama(mtbf_s=24 * 3600.0))
-    best = base.modes["sync"]
+    for name in ("sync", "tiered"):  # async sits on its feasibility bound (CheckFreq's k)
+        best = base.modes[name]
 
-    def goodput_at(steps: int) -> float:
-        c, t = best.blocking_s, steps * 5.0
-        return (t / (t + c)) * (1 - (best.recovery_s + (t + c) / 2 + c) / (24 * 3600.0))
+        def goodput_at(steps: int, best=best) -> float:
+            return exact_goodput(steps * 5.0, best.blocking_s, best.durable_after_s,
+                                 best.recovery_s, 24 * 3600.0)
 
-    assert best.goodput == pytest.approx(goodput_at(best.interval_steps))
-    assert best.goodput > goodput_at(best.interval_steps // 2)
-    assert best.goodput > goodput_at(best.interval_steps * 2)
+        k = best.interval_steps
+        assert best.goodput == pytest.approx(goodput_at(k))
+        assert best.goodput >= max(goodput_at(k - 1), goodput_at(k + 1))
+        assert best.goodput > max(goodput_at(k // 2), goodput_at(k * 2))
+    assert base.modes["async"].interval_steps == base.checkfreq_interval_steps
+
+
+def test_exact_goodput_matches_a_simulation_of_failures_and_rollbacks():
+    # async-like: blocking C, recoverable L > C after the checkpoint starts, restart R that a
+    # failure during it restarts; failures exponential. Simulated wall time, seeded.
+    t, c, el, r, big_m = 20.0, 0.5, 20.0, 20.0, 36.0
+    rng = random.Random(7)
+    now = progress = 0.0
+    while now < 2e6:
+        fail = now + rng.expovariate(1 / big_m)
+        done = max(0, math.floor((fail - now - t - el) / (t + c)) + 1)
+        progress += done * t
+        now = fail
+        while (gap := rng.expovariate(1 / big_m)) < r:
+            now += gap
+        now += r
+    assert progress / now == pytest.approx(exact_goodput(t, c, el, r, big_m), rel=0.02)
+    assert expected_goodput(compute_s=t, blocking_s=c, recoverable_after_s=el, recovery_s=r,
+                            mtbf_s=big_m) == pytest.approx(exact_goodput(t, c, el, r, big_m))
+
+
+def test_no_share_leaves_0_to_100_percent_however_short_the_mtbf():
+    for mtbf in (3600.0 * 3, 600.0, 60.0, 1.0):
+        plan = plan_capacity(llama(mtbf_s=mtbf))
+        for mode in plan.modes.values():
+            assert 0 <= mode.goodput <= 1 and 0 <= mode.lost_fraction <= 1
+    assert any("almost no progress" in w for w in plan.warnings)
+
+
+def test_checkfreq_rollback_bounds_and_this_jobs_expected_rollback():
+    plan = plan_capacity(llama())
+    k, ti = plan.checkfreq_interval_steps, 5.0
+    t, to, el = k * ti, plan.exposed_stage_s, plan.stage_s + plan.persist_s
+
+    assert plan.checkfreq_rollback_max_s == 2 * k * ti
+    assert plan.checkfreq_rollback_avg_s == k * ti
+    # failures uniform in time: lose the compute since the checkpoint started, plus the
+    # previous interval while it is not durable yet
+    assert plan.expected_rollback_s == pytest.approx((t * el + t * t / 2) / (t + to))
+    assert plan.worst_rollback_s == pytest.approx(t + el - to)
+    assert plan.worst_rollback_s <= plan.checkfreq_rollback_max_s
+    rng = random.Random(3)
+    lost = [max(0.0, v - to) + (t if v < el else 0.0)
+            for v in (rng.uniform(0, t + to) for _ in range(20000))]
+    assert sum(lost) / len(lost) == pytest.approx(plan.expected_rollback_s, rel=0.02)
+    assert max(lost) == pytest.approx(plan.worst_rollback_s, rel=0.01)
 
 
 def test_async_blocks_only_for_staging_and_tiered_recovers_from_peer_memory():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
-from dcp_plus.cli.plan.model import CapacityInputError, CapacityInputs
+from dcp_plus.cli.plan.inputs import CapacityInputError, CapacityInputs
 from dcp_plus.cli.plan.units import parse_count, parse_duration, parse_fraction
 
 
@@ -41,8 +41,30 @@ def _closed_fraction(text: str) -> float:
     return parse_fraction(text, closed=True)
 
 
+_FLAGS = {"params": "--params", "bytes_per_param": "--bytes-per-param", "ranks": "--ranks",
+          "gpus_per_node": "--gpus-per-node", "shard_degree": "--sharding",
+          "d2h_gbps": "--d2h-gbps", "storage_gbps": "--storage-gbps",
+          "storage_read_gbps": "--storage-read-gbps", "client_gbps": "--client-gbps",
+          "peer_gbps": "--peer-gbps", "iteration_s": "--iteration-s",
+          "weight_update_s": "--tw", "mtbf_s": "--mtbf-h", "overhead_budget": "--budget",
+          "stage_hidden_fraction": "--stage-hidden", "restart_s": "--restart-s",
+          "interval_s": "--interval"}
+"""The :class:`CapacityInputs` field behind each option."""
+
+_duration = _arg(parse_duration)
+
+
+def _one_line_errors(p: argparse.ArgumentParser) -> None:
+    """Usage errors as one line naming the option, not the whole usage block."""
+    def error(message: str) -> NoReturn:
+        p.exit(2, f"{p.prog}: {message} (see {p.prog} --help)\n")
+
+    setattr(p, "error", error)  # noqa: B010 (mypy refuses assigning to a method)
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """Add the planner's options to ``p`` (sizes and counts accept 405B, 1.5T, 405e9)."""
+    _one_line_errors(p)
     p.add_argument("--params", type=_arg(parse_count), required=True, metavar="N",
                    help="parameter count: 405B, 70e9, 1.5T")
     p.add_argument("--bytes-per-param", type=float, required=True, metavar="B",
@@ -60,10 +82,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="aggregate storage write GB/s for the job")
     p.add_argument("--storage-read-gbps", type=float, default=None, metavar="GBPS",
                    help="aggregate read GB/s on restart (default: --storage-gbps)")
+    p.add_argument("--client-gbps", type=float, default=None, metavar="GBPS",
+                   help="storage GB/s of one client (node): writes and reads go at most at "
+                        "nodes x this (default: no bound)")
     p.add_argument("--peer-gbps", type=float, default=25.0, metavar="GBPS",
                    help="per-GPU network GB/s to the peer node (tiered mode, default 25)")
-    p.add_argument("--iteration-s", type=_arg(parse_duration), required=True, metavar="S",
+    p.add_argument("--iteration-s", type=_duration, required=True, metavar="S",
                    help="seconds per training step (units allowed: 2.5s, 1.5min)")
+    p.add_argument("--tw", type=_duration, default=None, dest="weight_update_s", metavar="S",
+                   help="weight-update time within a step (CheckFreq's Tw): the snapshot "
+                        "overlaps the next step's forward/backward and blocks for "
+                        "max(0, stage - (iteration - Tw)); instead of --stage-hidden")
     p.add_argument("--mtbf-h", type=_arg(lambda t: parse_duration(t, unit_s=3600.0)),
                    required=True, dest="mtbf_s", metavar="H",
                    help="job mean time between failures in hours (or 90min, 2d)")
@@ -75,6 +104,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="fraction of the D2H copy hidden behind compute (default 0)")
     p.add_argument("--restart-s", type=float, default=0.0, metavar="S",
                    help="restart cost besides loading state, seconds (default 0)")
+    p.add_argument("--interval", type=_duration, default=None, dest="interval_s", metavar="S",
+                   help="also evaluate checkpointing every S of training (units allowed: "
+                        "20min, 1h), next to the best interval")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 
@@ -83,12 +115,13 @@ def inputs_from_args(args: argparse.Namespace) -> CapacityInputs:
 
     Raises:
         CapacityInputError: the values are inconsistent (e.g. a shard degree not dividing
-            the ranks).
+            the ranks); the message starts with the option to fix.
     """
-    fields = ("params", "bytes_per_param", "ranks", "gpus_per_node", "shard_degree",
-              "d2h_gbps", "storage_gbps", "storage_read_gbps", "peer_gbps", "iteration_s",
-              "mtbf_s", "overhead_budget", "stage_hidden_fraction", "restart_s")
     try:
-        return CapacityInputs(**{f: getattr(args, f) for f in fields})
+        return CapacityInputs(**{f: getattr(args, f) for f in _FLAGS})
+    except CapacityInputError as e:
+        if e.field not in _FLAGS:
+            raise
+        raise CapacityInputError(f"{_FLAGS[e.field]}: {e}", field=e.field) from None
     except TypeError as e:  # a field missing from args: a programming error, but say which
         raise CapacityInputError(str(e)) from e

@@ -2,8 +2,9 @@
 
 Pure computation, no torch: :func:`plan_capacity` turns a :class:`CapacityInputs` into a
 :class:`CapacityPlan` with the stage (blocking) and persist times, the CheckFreq interval for
-an overhead budget, the Young/Daly interval, the host memory an in-memory tier with a peer
-replica needs, and the expected goodput of sync, async and tiered checkpointing.
+an overhead budget and its rollback bounds, the Young/Daly interval, the host memory an
+in-memory tier with a peer replica needs, and the expected goodput of sync, async and tiered
+checkpointing under exponential failures (:mod:`dcp_plus.cli.plan.failures`).
 
 All sizes are decimal (1 GB = 10^9 bytes); all bandwidths are GB/s; all times are seconds.
 """
@@ -14,101 +15,43 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dcp_plus.errors import DcpPlusError
+from dcp_plus.cli.plan.failures import best_interval_steps, expected_goodput, rollback_s
+from dcp_plus.cli.plan.inputs import GB, CapacityInputError, CapacityInputs, bound, nodes, times
+from dcp_plus.cli.plan.units import human_duration as _hd
+
+__all__ = ["CapacityInputError", "CapacityInputs", "CapacityPlan", "ModePlan",
+           "checkfreq_exposed_s", "checkfreq_interval_steps", "plan_capacity",
+           "young_daly_interval_s"]
 
 _EPS = 1e-9  # ceil(1/0.05) must be 20, not 21
-
-
-class CapacityInputError(DcpPlusError, ValueError):
-    """The planner's inputs are inconsistent (the message names the field)."""
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class CapacityInputs:
-    """What the planner needs to know about a training job."""
-
-    params: float
-    """Number of model parameters (405e9 for Llama 3 405B)."""
-    bytes_per_param: float
-    """Checkpointed bytes per parameter, model and optimizer state together (weights in bf16
-    plus fp32 master weights and two fp32 Adam moments: 2 + 12 = 14)."""
-    ranks: int
-    """Training processes (GPUs) in the job."""
-    gpus_per_node: int = 8
-    """GPUs (ranks) per host; host memory is per node."""
-    shard_degree: int | None = None
-    """Ranks one copy of the state is split over: ``None`` = all ranks (FSDP/ZeRO-3), 1 =
-    replicated (DDP), an HSDP shard group size or TP x PP group size otherwise. Replicas
-    (``ranks / shard_degree``) hold the same bytes; DCP writes each item once."""
-    d2h_gbps: float = 25.0
-    """Device-to-host copy bandwidth per GPU (PCIe Gen4 x16 ~25, Gen5 x16 ~50)."""
-    storage_gbps: float
-    """Aggregate write bandwidth of the durable storage available to the whole job."""
-    storage_read_gbps: float | None = None
-    """Aggregate read bandwidth for a restart; ``None`` = ``storage_gbps``."""
-    peer_gbps: float = 25.0
-    """Per-GPU network bandwidth to the partner node holding the peer replica (tiered mode)."""
-    iteration_s: float
-    """Time of one training step (iteration)."""
-    mtbf_s: float
-    """Mean time between failures of the whole job (node MTBF / nodes)."""
-    overhead_budget: float = 0.05
-    """CheckFreq's p: the fraction of training time checkpointing may cost."""
-    stage_hidden_fraction: float = 0.0
-    """Fraction of the device-to-host copy hidden behind forward/backward (0 = the whole copy
-    blocks training)."""
-    restart_s: float = 0.0
-    """Fixed cost of a restart besides loading state: rescheduling, process start, init."""
-
-    def __post_init__(self) -> None:
-        positive = ("params", "bytes_per_param", "d2h_gbps", "storage_gbps", "peer_gbps",
-                    "iteration_s", "mtbf_s")
-        for name in positive:
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise CapacityInputError(f"{name} must be a positive number, got {value!r}")
-        if self.storage_read_gbps is not None and not self.storage_read_gbps > 0:
-            raise CapacityInputError(
-                f"storage_read_gbps must be positive, got {self.storage_read_gbps!r}")
-        for name in ("ranks", "gpus_per_node"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise CapacityInputError(f"{name} must be a positive integer, got {value!r}")
-        sd = self.shard_degree
-        if sd is not None and not (isinstance(sd, int) and 1 <= sd <= self.ranks
-                                   and self.ranks % sd == 0):
-            raise CapacityInputError(
-                f"shard_degree must divide ranks={self.ranks}, got {sd!r} "
-                "(None for fully sharded, 1 for replicated)")
-        if not 0 < self.overhead_budget < 1:
-            raise CapacityInputError(
-                f"overhead_budget must lie in (0, 1), got {self.overhead_budget!r} (5% = 0.05)")
-        if not 0 <= self.stage_hidden_fraction <= 1:
-            raise CapacityInputError(
-                f"stage_hidden_fraction must lie in [0, 1], got {self.stage_hidden_fraction!r}")
-        if self.restart_s < 0:
-            raise CapacityInputError(f"restart_s must not be negative, got {self.restart_s!r}")
+FIRST_ORDER_LIMIT = 0.1
+"""Share of the MTBF above which the first-order (Young/Daly) model is flagged as not holding."""
+NO_PROGRESS_GOODPUT = 0.01
+"""Goodput below which a mode is flagged as making (almost) no progress."""
+GOODPUT_MODEL = ("exponential failures, exact: goodput = (T/M) e^(-(T+L+R)/M) / "
+                 "(1 - e^(-(T+C)/M))")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ModePlan:
-    """One checkpointing mode at its Young/Daly interval (clamped to what is feasible)."""
+    """One checkpointing mode at one interval, under exponential failures (exact model)."""
 
     blocking_s: float
     """C: training time lost per checkpoint."""
     durable_after_s: float
-    """L: from the snapshot until the checkpoint can be recovered from."""
+    """L: from the checkpoint's start until it can be recovered from."""
     recovery_s: float
     """R: restart cost plus loading the state back."""
     interval_steps: int
-    """Steps between checkpoints: sqrt(2*C*MTBF)/iteration_s, at least 1 and never shorter
-    than a checkpoint takes to become recoverable."""
+    """k: steps between checkpoints (the goodput-maximising one unless chosen), at least 1
+    and never shorter than a checkpoint takes to become recoverable."""
     overhead_fraction: float
-    """C / (T + C): share of wall time spent blocked on checkpoints."""
+    """C / (T + C), T = k x Ti: share of failure-free wall time blocked on checkpoints."""
     lost_fraction: float
-    """(R + (T + C)/2 + L) / MTBF: share of wall time lost to failures."""
+    """1 - goodput (T + C)/T: share of the rest lost to failures (rollback, restarts), < 1."""
     goodput: float
-    """(1 - overhead_fraction) * (1 - lost_fraction): useful share of wall time."""
+    """(1 - overhead_fraction) x (1 - lost_fraction): useful share of wall time
+    (:func:`~dcp_plus.cli.plan.failures.expected_goodput`)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -123,26 +66,47 @@ class CapacityPlan:
     replicas: int
     nodes: int
     stage_s: float
-    """Device-to-host copy of one rank's state (all ranks copy in parallel)."""
+    """Tc: device-to-host copy of one rank's state (all ranks copy in parallel)."""
     exposed_stage_s: float
     """To: the part of ``stage_s`` that blocks training."""
+    persist_gbps: float
+    """Write bandwidth used: min(storage_gbps, nodes x client_gbps)."""
+    persist_bound: str
+    """Which bound binds for writes: ``storage`` or ``clients``."""
     persist_s: float
-    """Writing one copy of the state to durable storage at ``storage_gbps``."""
+    """Ts: writing one copy of the state to durable storage at ``persist_gbps``."""
+    load_gbps: float
+    """Read bandwidth on restart: min(storage_read_gbps, nodes x client_gbps)."""
+    load_bound: str
     load_s: float
-    """Reading it back at ``storage_read_gbps``."""
+    """Reading it back at ``load_gbps``."""
     replicate_s: float
     """Copying one rank's state to its peer at ``peer_gbps``."""
     checkfreq_interval_steps: int
     """k = max(ceil((Tc + Ts - To)/Ti), ceil(To/(p*Ti))) for async checkpoints."""
     checkfreq_overhead_fraction: float
     """To / (k * Ti) at that interval (at most p)."""
+    checkfreq_rollback_max_s: float
+    """CheckFreq's bound R_max = 2 k Ti: one checkpoint in flight, so at most two intervals."""
+    checkfreq_rollback_avg_s: float
+    """CheckFreq's R_avg = k Ti."""
+    expected_rollback_s: float
+    """This job at interval k, failures uniform in time: (T L + T^2/2)/(T + To), T = k Ti,
+    L = Tc + Ts (:func:`~dcp_plus.cli.plan.failures.rollback_s`)."""
+    worst_rollback_s: float
+    """This job at interval k: T + L - To (at most R_max)."""
     daly_interval_s: float
-    """sqrt(2 * C * MTBF) with C = the blocking time of a synchronous checkpoint."""
+    """First order: sqrt(2 * C * MTBF), C = the blocking time of a synchronous checkpoint."""
     daly_interval_steps: int
     host_memory_per_node_bytes: float
     """In-memory tier with a peer replica: 2 x per-rank state x GPUs per node."""
     modes: dict[str, ModePlan] = field(default_factory=dict)
-    """``sync``, ``async`` and ``tiered`` (see :func:`plan_capacity`)."""
+    """``sync``, ``async`` and ``tiered`` at their best intervals (see :func:`plan_capacity`)."""
+    at_interval: dict[str, ModePlan] | None = None
+    """The same modes at ``inputs.interval_s`` (rounded up to whole steps), if given."""
+    goodput_model: str = GOODPUT_MODEL
+    warnings: list[str] = field(default_factory=list)
+    """Where a model's assumptions do not hold (first order against the MTBF, no progress)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: inputs, figures and modes, units in the key names."""
@@ -168,6 +132,12 @@ def checkfreq_interval_steps(*, snapshot_s: float, persist_s: float, exposed_s: 
                _ceil(exposed_s / (overhead_budget * iteration_s)))
 
 
+def checkfreq_exposed_s(*, snapshot_s: float, iteration_s: float, weight_update_s: float) -> float:
+    """CheckFreq's To = max(0, Tc - (Ti - Tw)): the snapshot runs during the next iteration's
+    forward and backward pass (Ti - Tw) and must finish before its weight update."""
+    return max(0.0, snapshot_s - (iteration_s - weight_update_s))
+
+
 def young_daly_interval_s(*, checkpoint_s: float, mtbf_s: float) -> float:
     """sqrt(2 * C * MTBF): the interval minimising C/T + T/(2*MTBF) (Young 1974, Daly 2006
     to first order)."""
@@ -175,67 +145,116 @@ def young_daly_interval_s(*, checkpoint_s: float, mtbf_s: float) -> float:
 
 
 def _mode(*, blocking_s: float, durable_after_s: float, recovery_s: float,
-          min_interval_s: float, inputs: CapacityInputs) -> ModePlan:
+          min_interval_s: float, inputs: CapacityInputs, steps: int | None = None) -> ModePlan:
     ti, mtbf = inputs.iteration_s, inputs.mtbf_s
-    young_daly_s = young_daly_interval_s(checkpoint_s=blocking_s, mtbf_s=mtbf)
-    steps = max(round(young_daly_s / ti), _ceil(min_interval_s / ti))
+    if steps is None:
+        steps = best_interval_steps(blocking_s=blocking_s, recoverable_after_s=durable_after_s,
+                                    recovery_s=recovery_s, mtbf_s=mtbf, iteration_s=ti,
+                                    min_steps=_ceil(min_interval_s / ti))
     t = steps * ti
-    period = t + blocking_s
-    overhead = blocking_s / period
-    lost = (recovery_s + period / 2 + durable_after_s) / mtbf
+    overhead = blocking_s / (t + blocking_s)
+    goodput = expected_goodput(compute_s=t, blocking_s=blocking_s,
+                               recoverable_after_s=durable_after_s, recovery_s=recovery_s,
+                               mtbf_s=mtbf)
+    lost = min(1.0, max(0.0, 1 - goodput / (1 - overhead)))
     return ModePlan(blocking_s=blocking_s, durable_after_s=durable_after_s,
                     recovery_s=recovery_s, interval_steps=steps, overhead_fraction=overhead,
-                    lost_fraction=lost, goodput=max(0.0, (1 - overhead) * (1 - lost)))
+                    lost_fraction=lost, goodput=min(1.0, max(0.0, goodput)))
+
+
+def _modes(x: CapacityInputs, *, stage_s: float, exposed: float, persist_s: float,
+           load_s: float, replicate_s: float, steps: int | None = None) -> dict[str, ModePlan]:
+    sync_c = stage_s + persist_s
+    return {
+        "sync": _mode(blocking_s=sync_c, durable_after_s=sync_c,
+                      recovery_s=x.restart_s + load_s, min_interval_s=0.0, inputs=x,
+                      steps=steps),
+        "async": _mode(blocking_s=exposed, durable_after_s=stage_s + persist_s,
+                       recovery_s=x.restart_s + load_s,
+                       min_interval_s=stage_s + persist_s - exposed, inputs=x, steps=steps),
+        "tiered": _mode(blocking_s=exposed, durable_after_s=stage_s + replicate_s,
+                        recovery_s=x.restart_s + replicate_s + stage_s,
+                        min_interval_s=stage_s + replicate_s - exposed, inputs=x, steps=steps),
+    }
+
+
+def _warnings(x: CapacityInputs, *, daly_s: float, sync: ModePlan,
+              tables: dict[str, dict[str, ModePlan]]) -> list[str]:
+    out = []
+    m = x.mtbf_s
+    cost = sync.blocking_s + sync.recovery_s
+    if max(daly_s, cost) >= FIRST_ORDER_LIMIT * m:
+        out.append(
+            f"the first-order Young/Daly model assumes the interval and a checkpoint + restart "
+            f"are small against the MTBF ({_hd(m)}); here they are {daly_s / m:.0%} and "
+            f"{cost / m:.0%} of it, so its interval ({_hd(daly_s)}) is only a rough guide. The "
+            f"exact optimum for exponential failures is {sync.interval_steps} steps; the "
+            "goodput figures use the exact model")
+    for where, modes in tables.items():
+        for name, mode in modes.items():
+            if mode.goodput < NO_PROGRESS_GOODPUT:
+                out.append(f"{name}{where}: goodput {mode.goodput:.2%}: the job would make "
+                           f"almost no progress (recovery {_hd(mode.recovery_s)}, recoverable "
+                           f"after {_hd(mode.durable_after_s)}, MTBF {_hd(m)})")
+    return out
 
 
 def plan_capacity(inputs: CapacityInputs) -> CapacityPlan:
     """Apply the published models to ``inputs``.
 
     * stage: each rank copies its shard at ``d2h_gbps``; persist: one copy of the state (DCP
-      deduplicates replicas) at the aggregate ``storage_gbps``.
+      deduplicates replicas) at min(aggregate ``storage_gbps``, nodes x ``client_gbps``).
     * CheckFreq (Mohan et al., FAST'21): a snapshot must not start before the previous one is
-      persisted, and the exposed cost To must stay within the budget p.
-    * Young/Daly: the interval minimising C/T + T/(2*MTBF) is sqrt(2*C*MTBF).
-    * Goodput, per mode with blocking time C, recoverable-after L, recovery R and compute T
-      between checkpoints: (T/(T+C)) * (1 - (R + (T+C)/2 + L)/MTBF); ``sync`` blocks for
-      stage + persist; ``async`` blocks for To and is durable after stage + persist;
-      ``tiered`` blocks for To, is recoverable after stage + replicate (a peer holds a copy
-      in host memory) and restarts from host memory instead of storage.
+      persisted, and the exposed cost To (``stage_hidden_fraction`` or, with Tw,
+      max(0, Tc - (Ti - Tw))) must stay within the budget p; a failure rolls back at most
+      2 k Ti (R_max), k Ti on average (R_avg) by CheckFreq's count.
+    * Young/Daly (first order): sqrt(2*C*MTBF).
+    * Goodput per mode with blocking time C, recoverable-after L and recovery R under
+      exponential failures, exactly (:mod:`dcp_plus.cli.plan.failures`), at the interval that
+      maximises it: ``sync`` blocks for stage + persist; ``async`` blocks for To and is
+      durable after stage + persist; ``tiered`` blocks for To, is recoverable after stage +
+      replicate (a peer holds a copy in host memory) and restarts from host memory.
     """
     x = inputs
-    gb = 1e9
     shard_degree = x.shard_degree or x.ranks
+    n = nodes(x)
     state = x.params * x.bytes_per_param
     per_rank = state / shard_degree
-    stage_s = per_rank / (x.d2h_gbps * gb)
-    exposed = stage_s * (1 - x.stage_hidden_fraction)
-    persist_s = state / (x.storage_gbps * gb)
-    load_s = state / ((x.storage_read_gbps or x.storage_gbps) * gb)
-    replicate_s = per_rank / (x.peer_gbps * gb)
-    ti, p = x.iteration_s, x.overhead_budget
+    stage_s, persist_s = times(x)
+    if x.weight_update_s is None:
+        exposed = stage_s * (1 - x.stage_hidden_fraction)
+    else:
+        exposed = checkfreq_exposed_s(snapshot_s=stage_s, iteration_s=x.iteration_s,
+                                      weight_update_s=x.weight_update_s)
+    persist_gbps, persist_bound = bound(x.storage_gbps, x, n)
+    load_gbps, load_bound = bound(x.storage_read_gbps or x.storage_gbps, x, n)
+    load_s = state / (load_gbps * GB)
+    replicate_s = per_rank / (x.peer_gbps * GB)
+    ti = x.iteration_s
 
     k = checkfreq_interval_steps(snapshot_s=stage_s, persist_s=persist_s, exposed_s=exposed,
-                                 iteration_s=ti, overhead_budget=p)
-    sync_c = stage_s + persist_s
-    daly_s = young_daly_interval_s(checkpoint_s=sync_c, mtbf_s=x.mtbf_s)
+                                 iteration_s=ti, overhead_budget=x.overhead_budget)
+    expected, worst = rollback_s(compute_s=k * ti, blocking_s=exposed,
+                                 recoverable_after_s=stage_s + persist_s)
+    daly_s = young_daly_interval_s(checkpoint_s=stage_s + persist_s, mtbf_s=x.mtbf_s)
+    def modes_at(steps: int | None) -> dict[str, ModePlan]:
+        return _modes(x, stage_s=stage_s, exposed=exposed, persist_s=persist_s, load_s=load_s,
+                      replicate_s=replicate_s, steps=steps)
 
-    modes = {
-        "sync": _mode(blocking_s=sync_c, durable_after_s=sync_c,
-                      recovery_s=x.restart_s + load_s, min_interval_s=0.0, inputs=x),
-        "async": _mode(blocking_s=exposed, durable_after_s=stage_s + persist_s,
-                       recovery_s=x.restart_s + load_s,
-                       min_interval_s=stage_s + persist_s - exposed, inputs=x),
-        "tiered": _mode(blocking_s=exposed, durable_after_s=stage_s + replicate_s,
-                        recovery_s=x.restart_s + replicate_s + stage_s,
-                        min_interval_s=stage_s + replicate_s - exposed, inputs=x),
-    }
+    modes = modes_at(None)
+    at = None if x.interval_s is None else modes_at(_ceil(x.interval_s / ti))
+    tables = {"": modes, **({} if at is None else {" at the chosen interval": at})}
     return CapacityPlan(
         inputs=x, state_bytes=state, per_rank_state_bytes=per_rank,
-        replicas=x.ranks // shard_degree, nodes=math.ceil(x.ranks / x.gpus_per_node),
-        stage_s=stage_s, exposed_stage_s=exposed, persist_s=persist_s, load_s=load_s,
+        replicas=x.ranks // shard_degree, nodes=n, stage_s=stage_s,
+        exposed_stage_s=exposed, persist_gbps=persist_gbps, persist_bound=persist_bound,
+        persist_s=persist_s, load_gbps=load_gbps, load_bound=load_bound, load_s=load_s,
         replicate_s=replicate_s, checkfreq_interval_steps=k,
         checkfreq_overhead_fraction=exposed / (k * ti),
+        checkfreq_rollback_max_s=2 * k * ti, checkfreq_rollback_avg_s=k * ti,
+        expected_rollback_s=expected, worst_rollback_s=worst,
         daly_interval_s=daly_s, daly_interval_steps=max(1, round(daly_s / ti)),
         host_memory_per_node_bytes=2 * per_rank * min(x.gpus_per_node, x.ranks),
-        modes=modes,
+        modes=modes, at_interval=at,
+        warnings=_warnings(x, daly_s=daly_s, sync=modes["sync"], tables=tables),
     )
