@@ -1,5 +1,5 @@
 """The ``dcp-plus`` command: ``demo``, ``ls ROOT``, ``inspect PATH``, ``verify PATH``,
-``diff A B``, ``plan``, ``bench``."""
+``diff A B``, ``convert SRC DST``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -193,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("path")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_verify)
+
+    from dcp_plus.cli.convert import add_convert_arguments, cmd_convert
+
+    cv = sub.add_parser("convert", help="a checkpoint to another format: dcp_plus, stock DCP, "
+                                         "one torch.save file or safetensors")
+    add_convert_arguments(cv)
+    cv.set_defaults(func=lambda a: cmd_convert(a, _storage_options(a.storage_option)))
 
     from dcp_plus.cli.plan.args import add_plan_arguments
 
