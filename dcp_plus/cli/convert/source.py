@@ -25,6 +25,7 @@ from dcp_plus.errors import DcpPlusError, UnsafeCheckpointError
 from dcp_plus.manager.control import quiet_if_alone
 from dcp_plus.manager.storage import backend_for
 from dcp_plus.planners import SafeLoadPlanner
+from dcp_plus.storage.urls import is_url
 
 DCP_PLUS = "dcp_plus"
 STOCK = "dcp"
@@ -78,9 +79,10 @@ def open_source(path: str, storage_options: Mapping[str, Any], allow_pickle: boo
 
 
 def backend_for_source(path: str, storage_options: Mapping[str, Any]) -> Any:
-    """``backend_for``, with a bad URL scheme or option reported as a user error."""
+    """``backend_for``, with a bad URL scheme or option reported as a user error; the
+    storage options go to URLs only (one command may read a local path and write a URL)."""
     try:
-        return backend_for(path, storage_options)
+        return backend_for(path, storage_options if is_url(path) else None)
     except ValueError as e:
         raise DcpPlusError(str(e)) from None
 
