@@ -260,3 +260,15 @@ def test_a_value_ours_cannot_hold_is_named_and_can_be_excluded(tmp_path):
     out = {"w": torch.zeros(4)}
     dcp.load(out, storage_reader=LocalReader(tmp_path / "b"), no_dist=True)
     assert_bit_exact(out, {"w": torch.arange(4.0)})
+
+
+def test_an_export_reads_only_what_it_selects(ours, tmp_path):
+    ext = next(e for e in read_record_json(ours)["extents"] if e["fqn"] == "optim.state.exp_avg")
+    flip_byte(ours / ext["file"], ext["offset"])  # damage outside the selection: never read
+    dst = tmp_path / "model.pt"
+    proc = run("convert", str(ours), str(dst), "--to", "torch", "--prefix", "model.")
+    assert proc.returncode == 0, proc.stderr
+    assert_same(torch.load(dst, weights_only=True), state()["model"])
+    proc = run("convert", str(ours), str(tmp_path / "all.pt"), "--to", "torch",
+               "--exclude", "rng")
+    assert proc.returncode == 1 and "optim.state.exp_avg" in proc.stderr

@@ -49,7 +49,7 @@ def cmd_convert(args: argparse.Namespace, storage_options: Mapping[str, Any]) ->
     """Exit 0: converted; 1: the source is damaged (nothing written); 2: a user error."""
     from tqdm import tqdm
 
-    from dcp_plus.cli.convert.select import select
+    from dcp_plus.cli.convert.select import keeps, nothing_selected, select
     from dcp_plus.cli.convert.source import DCP_PLUS, KIND_NAMES, STOCK, load_all, open_source
     from dcp_plus.cli.convert.targets import EXPORTS, check_destination, huggingface_writer, write
     from dcp_plus.errors import (
@@ -72,11 +72,15 @@ def cmd_convert(args: argparse.Namespace, storage_options: Mapping[str, Any]) ->
     check_destination(args.dst, target, storage_options)
     print(f"{args.src}: {KIND_NAMES[source.kind]}", flush=True)
 
-    bar = {"total": source.tensor_bytes, "unit": "B", "unit_scale": True, "file": sys.stderr,
+    names = {n for n in source.metadata.state_dict_metadata
+             if keeps(n, args.prefix, args.exclude)}  # only these are read
+    if not names:
+        raise nothing_selected(args.prefix, args.exclude, len(source.metadata.state_dict_metadata))
+    bar = {"total": source.tensor_bytes(names), "unit": "B", "unit_scale": True, "file": sys.stderr,
            "disable": None}  # None: only when stderr is a terminal
     with tqdm(desc="reading", **bar) as reading:
         try:
-            state = load_all(source, reading.update)
+            state = load_all(source, names, reading.update)
         except (CorruptCheckpointError, CheckpointFormatError) as e:
             return _corrupt(e, args.dst)
         except (UnsafeCheckpointError, UnsafeValueError) as e:  # a value needs unpickling
@@ -85,10 +89,10 @@ def cmd_convert(args: argparse.Namespace, storage_options: Mapping[str, Any]) ->
     chosen = select(state, prefix=args.prefix, exclude=args.exclude,
                     tensors_only=target == "safetensors", flat=target == "safetensors")
     if chosen.skipped_values:
-        names = ", ".join(chosen.skipped_values[:5])
+        skipped = ", ".join(chosen.skipped_values[:5])
         more = len(chosen.skipped_values) - 5
         print(f"dcp-plus convert: note: left out {len(chosen.skipped_values)} non-tensor "
-              f"values, which safetensors cannot hold: {names}"
+              f"values, which safetensors cannot hold: {skipped}"
               f"{f' and {more} more' if more > 0 else ''}", file=sys.stderr)
     tensors, others, nbytes = _count(chosen.state)
     with tqdm(desc="writing", **{**bar, "total": nbytes}) as writing:

@@ -20,6 +20,22 @@ class Selection:
     skipped_values: list[str] = field(default_factory=list)
 
 
+def keeps(name: str, prefix: str | None, exclude: Sequence[str]) -> bool:
+    """Whether flat name ``name`` is under ``prefix`` and under none of ``exclude``."""
+    return not any(name.startswith(p) for p in exclude) and (
+        not prefix or name.startswith(prefix))
+
+
+def nothing_selected(prefix: str | None, exclude: Sequence[str], entries: int,
+                     tensors_only: bool = False) -> DcpPlusError:
+    """The error for a selection that keeps nothing of ``entries`` entries."""
+    what = "no tensor" if tensors_only else "nothing"
+    criteria = [f"--prefix {prefix!r}"] * bool(prefix) + [f"--exclude {p!r}" for p in exclude]
+    return DcpPlusError(f"{what} to convert: {' and '.join(criteria) or 'the checkpoint'} "
+                        f"keeps none of its {entries} entries (`dcp-plus inspect` lists their "
+                        "names)")
+
+
 def select(state: dict[str, Any], *, prefix: str | None, exclude: Sequence[str],
            tensors_only: bool, flat: bool) -> Selection:
     """The entries of ``state`` whose flat name (``model.layers.0.weight``) starts with
@@ -37,18 +53,14 @@ def select(state: dict[str, Any], *, prefix: str | None, exclude: Sequence[str],
     entries, mapping = flatten_state_dict(state)
     out = Selection({})
     for name, value in entries.items():
-        if any(name.startswith(p) for p in exclude) or (prefix and not name.startswith(prefix)):
+        if not keeps(name, prefix, exclude):
             continue
         if tensors_only and not isinstance(value, torch.Tensor):
             out.skipped_values.append(name)
             continue
         out.state[name] = value
     if not out.state:
-        what = "no tensor" if tensors_only else "nothing"
-        criteria = [f"--prefix {prefix!r}"] * bool(prefix) + [f"--exclude {p!r}" for p in exclude]
-        raise DcpPlusError(f"{what} to convert: {' and '.join(criteria) or 'the checkpoint'} "
-                           f"keeps none of its {len(entries)} entries (`dcp-plus inspect` "
-                           "lists their names)")
+        raise nothing_selected(prefix, exclude, len(entries), tensors_only)
     if prefix:
         out.state = {name[len(prefix):]: v for name, v in out.state.items()}
     elif not flat:

@@ -9,7 +9,7 @@ Loading goes through the dcp_plus reader for the location (``LocalReader``,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,12 +45,12 @@ class Source:
     reader: StorageReader
     unpickles: bool
 
-    @property
-    def tensor_bytes(self) -> int:
-        """Bytes of all its tensors (what the progress bars count)."""
+    def tensor_bytes(self, names: Collection[str]) -> int:
+        """Bytes of its tensors ``names`` (what the progress bars count)."""
+        items = self.metadata.state_dict_metadata
         return sum(md.size.numel() * torch.empty((), dtype=md.properties.dtype).element_size()
-                   for md in self.metadata.state_dict_metadata.values()
-                   if isinstance(md, TensorStorageMetadata))
+                   for name, md in items.items()
+                   if name in names and isinstance(md, TensorStorageMetadata))
 
 
 def open_source(path: str, storage_options: Mapping[str, Any], allow_pickle: bool) -> Source:
@@ -91,10 +91,14 @@ class _SafeLoadAll(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
     """Every key of the checkpoint; non-tensor values only as ``weights_only`` loads them."""
 
 
-def _loading_planner(base: type, progress: Progress) -> Any:
-    """A ``base`` planner that keeps the state dict it builds and counts committed bytes."""
+def _loading_planner(base: type, names: Collection[str], progress: Progress) -> Any:
+    """A ``base`` planner that loads the entries ``names`` (flat names) only, keeps the state
+    dict it builds and counts committed bytes."""
     class LoadAll(base):  # type: ignore[misc, valid-type]
         loaded: dict[str, Any] = {}
+
+        def _should_include_key(self, key: str, metadata: Metadata) -> bool:
+            return key in names
 
         def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
             super().set_up_planner(state_dict, *args, **kwargs)
@@ -106,8 +110,9 @@ def _loading_planner(base: type, progress: Progress) -> Any:
     return LoadAll()
 
 
-def load_all(source: Source, progress: Progress) -> dict[str, Any]:
-    """The whole checkpoint as a state dict (nested as it was saved), on the CPU.
+def load_all(source: Source, names: Collection[str], progress: Progress) -> dict[str, Any]:
+    """The entries ``names`` of the checkpoint (flat names, as its metadata has them) as a
+    state dict nested as it was saved, on the CPU.
 
     Raises:
         the reader's or planner's exception (``CorruptCheckpointError`` on a checksum
@@ -115,7 +120,7 @@ def load_all(source: Source, progress: Progress) -> dict[str, Any]:
         DCP's ``CheckpointException``.
     """
     planner = _loading_planner(
-        _EmptyStateDictLoadPlanner if source.unpickles else _SafeLoadAll, progress)
+        _EmptyStateDictLoadPlanner if source.unpickles else _SafeLoadAll, names, progress)
     with quiet_if_alone(True):
         try:
             dcp.load({}, storage_reader=source.reader, planner=planner, no_dist=True)
