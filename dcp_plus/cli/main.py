@@ -1,5 +1,5 @@
 """The ``dcp-plus`` command: ``demo``, ``ls ROOT``, ``gc ROOT``, ``inspect PATH``,
-``verify PATH``, ``diff A B``, ``plan``, ``bench``."""
+``verify PATH``, ``diff A B``, ``convert SRC DST``, ``plan``, ``bench``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import sys
 import traceback
 
-from dcp_plus.cli.verbs import add_checkpoint_verbs
+from dcp_plus.cli.verbs import add_checkpoint_verbs, storage_options
 from dcp_plus.errors import DcpPlusError
 
 
@@ -48,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     add_checkpoint_verbs(sub)
+
+    from dcp_plus.cli.convert import add_convert_arguments, cmd_convert
+
+    cv = sub.add_parser("convert", help="a checkpoint to another format: dcp_plus, stock DCP, "
+                                         "one torch.save file or safetensors")
+    add_convert_arguments(cv)
+    cv.set_defaults(func=lambda a: cmd_convert(a, storage_options(a.storage_option)))
 
     from dcp_plus.cli.plan.args import add_plan_arguments
 

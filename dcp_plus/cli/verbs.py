@@ -22,7 +22,7 @@ def _human(n: float) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dcp_plus.readers.inspect import summarize
 
-    info = summarize(args.path, _storage_options(args.storage_option))
+    info = summarize(args.path, storage_options(args.storage_option))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -54,7 +54,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from dcp_plus.readers.inspect import load_record, stored_bytes, verify
 
-    options = _storage_options(args.storage_option)
+    options = storage_options(args.storage_option)
     try:
         record = load_record(args.path, options)  # decoded once: progress total and checks
         with tqdm(total=stored_bytes(record), unit="B", unit_scale=True, desc="verifying",
@@ -82,8 +82,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def _storage_options(pairs: list[str]) -> dict[str, Any]:
-    """``K=V`` pairs; a value that parses as JSON (numbers, true, objects) is taken as such."""
+def storage_options(pairs: list[str]) -> dict[str, Any]:
+    """``--storage-option K=V`` pairs as a dict; a value that parses as JSON (numbers,
+    true, objects) is taken as such."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
@@ -99,7 +100,7 @@ def _storage_options(pairs: list[str]) -> dict[str, Any]:
 def cmd_ls(args: argparse.Namespace) -> int:
     from dcp_plus.cli.listing import list_root
 
-    info = list_root(args.root, _storage_options(args.storage_option))
+    info = list_root(args.root, storage_options(args.storage_option))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -127,7 +128,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     """Exit 0: done (or, ``--dry-run``, planned); 2: refused, or a removal failed."""
     from dcp_plus.cli.gc import collect
 
-    res = collect(args.root, _storage_options(args.storage_option), keep_last=args.keep_last,
+    res = collect(args.root, storage_options(args.storage_option), keep_last=args.keep_last,
                   keep_every=args.keep_every, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(res, indent=2))
@@ -153,7 +154,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """Exit 0: the same tensors with the same content; 1: they differ."""
     from dcp_plus.cli.diff import diff_checkpoints
 
-    d = diff_checkpoints(args.a, args.b, _storage_options(args.storage_option))
+    d = diff_checkpoints(args.a, args.b, storage_options(args.storage_option))
     differ = bool(d["added"] or d["removed"] or d["changed"])
     if args.json:
         print(json.dumps(d, indent=2))
