@@ -249,8 +249,6 @@ def train_stock(root: str, until: int, every: int) -> RunStats:
 
 
 def _prepare(root: str) -> None:
-    if is_url(root):
-        raise DcpPlusError(f"{root}: the demo writes to local directories only for now")
     if os.path.exists(root) and not os.path.isdir(root):
         raise DcpPlusError(f"{root} is a file, expected a directory (the checkpoint root)")
     if os.path.isdir(root) and os.listdir(root) and not os.path.exists(
@@ -292,6 +290,8 @@ def run(root: str = "./checkpoints", steps: int = 150, seed: int | None = None,
             f"taken at step {WARMUP + 1} (after {WARMUP} measured iterations) and must commit "
             "before the trainer is killed during a later one, so that the restart has a "
             "checkpoint to resume from")
+    if is_url(root):
+        raise DcpPlusError(f"{root}: the demo writes to local directories only for now")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     root = os.path.abspath(root)
     _prepare(root)

@@ -108,4 +108,4 @@ def quiet_checkpoint_daemon() -> Iterator[None]:
     try:
         yield
     finally:
-        cls._checkpointing_subprocess = original
+        cls._checkpointing_subprocess = original  # type: ignore[method-assign]
