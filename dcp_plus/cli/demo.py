@@ -24,9 +24,16 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
+from dcp_plus.errors import DcpPlusError
 from dcp_plus.storage.urls import is_url
 
 MARKER = ".dcp-plus-demo"
+WARMUP = 5
+"""Iterations AdaptiveInterval measures before its first checkpoint, taken at step
+``WARMUP + 1``."""
+MIN_STEPS = WARMUP + 2
+"""The first checkpoint (step 6) commits, the trainer is killed while persisting a later one
+(step 7 at the earliest), and the restart resumes from the first: fewer steps show no resume."""
 
 
 class TinyLM(nn.Module):
@@ -123,8 +130,9 @@ def train_managed(root: str, until: int, *, kill_at: int | None = None,
                   log: Callable[[str], None] = print) -> tuple[RunStats, int | None, Any]:
     """Train to ``until`` under a manager, resuming from ``root`` if it holds a checkpoint.
 
-    With ``kill_at``, the first checkpoint at or after that step SIGKILLs this process while
-    its data files are being written. Returns the stats, the resumed step and the manager's
+    With ``kill_at`` (at most ``until``), the first checkpoint at or after that step SIGKILLs
+    this process while its data files are being written; when the policy takes none there, a
+    last checkpoint at ``until`` does. Returns the stats, the resumed step and the manager's
     policy.
     """
     from dcp_plus.manager import CheckpointManager
@@ -140,7 +148,7 @@ def train_managed(root: str, until: int, *, kill_at: int | None = None,
             time.sleep(0.0005)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    policy = AdaptiveInterval(0.05)
+    policy = AdaptiveInterval(0.05, warmup=WARMUP)
     # a restart after the crash takes the dead trainer's lease on the root over
     manager = CheckpointManager(root, keep_last=3, interval=policy, on_phase=die_in_persist,
                                 takeover=True)
@@ -171,6 +179,8 @@ def train_managed(root: str, until: int, *, kill_at: int | None = None,
         train_step(model, opt, step)
         manager.maybe_save(step, state_of(model, opt, step))
         bar.update(1)
+    if kill_at is not None:  # still alive: no checkpoint fell due at or after kill_at
+        manager.save(until, state_of(model, opt, until))
     manager.wait()
     stats.wall_s = time.perf_counter() - t0
     bar.close()
@@ -239,12 +249,12 @@ def train_stock(root: str, until: int, every: int) -> RunStats:
 
 
 def _prepare(root: str) -> None:
-    if is_url(root):
-        raise ValueError(f"{root}: the demo writes to local directories only for now")
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise DcpPlusError(f"{root} is a file, expected a directory (the checkpoint root)")
     if os.path.isdir(root) and os.listdir(root) and not os.path.exists(
             os.path.join(root, MARKER)):
-        raise ValueError(f"{root} is not empty and was not made by the demo; pass an empty or "
-                         "new directory (the demo deletes what it made there before)")
+        raise DcpPlusError(f"{root} is not empty and was not made by the demo; pass an empty "
+                           "or new directory (the demo deletes what it made there before)")
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root)
     Path(root, MARKER).touch()
@@ -265,21 +275,38 @@ def print_runs(rows: list[RunStats], log: Callable[[str], None] = print,
 
 def run(root: str = "./checkpoints", steps: int = 150, seed: int | None = None,
         log: Callable[[str], None] = print) -> bool:
-    """The demo; True when the resumed run is bit-exact with the uninterrupted one."""
+    """The demo; True when the trainer was killed mid-persist, the restart resumed from a
+    committed checkpoint, and both the resumed and the final state are bit-exact with an
+    uninterrupted run.
+
+    Raises:
+        DcpPlusError: ``steps`` below :data:`MIN_STEPS`, or ``root`` unusable.
+    """
+    from dcp_plus.cli.logs import child_env
+
+    if steps < MIN_STEPS:
+        raise DcpPlusError(
+            f"--steps {steps}: the demo needs at least {MIN_STEPS}: its first checkpoint is "
+            f"taken at step {WARMUP + 1} (after {WARMUP} measured iterations) and must commit "
+            "before the trainer is killed during a later one, so that the restart has a "
+            "checkpoint to resume from")
+    if is_url(root):
+        raise DcpPlusError(f"{root}: the demo writes to local directories only for now")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     root = os.path.abspath(root)
     _prepare(root)
-    rng = random.Random(seed)
-    kill_at = rng.randrange(steps // 3, 2 * steps // 3)
+    kill_at = kill_step(steps, seed)
     log(f"1. training {steps} steps of TinyLM (CPU) with CheckpointManager in {root}; the "
         f"trainer will SIGKILL itself during the first persist at or after step {kill_at}")
     child = subprocess.run(
         [sys.executable, "-m", "dcp_plus.cli.demo", "--train", root, str(steps), str(kill_at)],
-        stdin=subprocess.DEVNULL, check=False)
-    if child.returncode == -signal.SIGKILL:
+        stdin=subprocess.DEVNULL, env=child_env(), check=False)
+    killed = child.returncode == -signal.SIGKILL
+    if killed:
         log(f"   trainer pid killed by SIGKILL (exit {child.returncode})")
     else:
-        log(f"   trainer exited with {child.returncode} (no kill happened)")
+        log(f"   trainer exited with {child.returncode}: it was not killed, so there is no "
+            "crash to recover from")
 
     log("2. restarting: the manager cleans what the crash left and resumes")
     managed, resumed, (policy, loaded, final) = train_managed(root, steps, log=log)
@@ -300,14 +327,29 @@ def run(root: str = "./checkpoints", steps: int = 150, seed: int | None = None,
     print_runs([ref, managed, stock], log)
     for d in policy.decisions:
         log(f"   AdaptiveInterval: {d.describe()}")
-    log(f"resumed state at step {start}: {'bit-exact' if ok_loaded else 'MISMATCH'} with the "
-        f"reference; final state at step {steps}: {'bit-exact' if ok_final else 'MISMATCH'}")
+    if resumed is None:
+        log("the restart found no committed checkpoint and trained from step 0: NO RESUME")
+    else:
+        log(f"resumed state at step {start}: {'bit-exact' if ok_loaded else 'MISMATCH'} with "
+            "the reference")
+    log(f"final state at step {steps}: {'bit-exact' if ok_final else 'MISMATCH'} with the "
+        "reference")
     log(f"checkpoints kept in {root}: "
         f"{sorted(n for n in os.listdir(root) if n.startswith('step_'))}")
-    return ok_loaded and ok_final
+    return killed and resumed is not None and ok_loaded and ok_final
+
+
+def kill_step(steps: int, seed: int | None) -> int:
+    """The step from which the trainer kills itself: random in the middle third of the run,
+    never before the first checkpoint has been taken (step ``WARMUP + 1``)."""
+    lo = max(WARMUP + 2, steps // 3)
+    return random.Random(seed).randint(lo, min(steps, max(lo, 2 * steps // 3)))
 
 
 def _child(root: str, until: str, kill_at: str) -> int:
+    from dcp_plus.cli.logs import configure_from_env
+
+    configure_from_env()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     train_managed(root, int(until), kill_at=int(kill_at), log=lambda s: None)
     return 0

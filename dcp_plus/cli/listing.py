@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,7 @@ from dcp_plus.manager.naming import parse_step
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.manager.storage import backend_for
 from dcp_plus.readers.base import ExtentReader
+from dcp_plus.storage.urls import is_url
 
 
 def list_root(root: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -20,6 +22,9 @@ def list_root(root: str, storage_options: Mapping[str, Any] | None = None) -> di
     ``latest`` pointer names it), tensors and stored bytes (committed ones, from the record,
     validated as untrusted input: a damaged record is reported in ``problem``).
     """
+    if not is_url(root) and not os.path.isdir(root):  # a typo is not an empty root
+        what = "is a file, expected a directory" if os.path.exists(root) else "does not exist"
+        raise DcpPlusError(f"{root} {what}")
     backend, location = backend_for(root, storage_options)
     croot = CheckpointRoot(backend, location)
     try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import traceback
@@ -80,14 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         if reconfigure is not None:
             reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    from dcp_plus.cli import logs
+
+    logs.configure(args.verbose)
+    rc = 0  # what a verb cut short by a closed pipe reports: the reader stopped reading
     try:
-        return int(args.func(args))
+        with logs.bars_safe():
+            rc = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return rc
     except BrokenPipeError:  # `dcp-plus inspect DIR | head -1`
+        # what is left in the buffer would fail again at exit: send it to /dev/null
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-        return 0
+        os.close(devnull)
+        return rc
     except KeyboardInterrupt:
         print(f"dcp-plus {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from dcp_plus.errors import DcpPlusError
+from dcp_plus.errors import DcpPlusError, InvalidOptionError
 from dcp_plus.format.record import RECORD_NAME
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
 from dcp_plus.manager.options import LocalReaderOptions, LocalWriterOptions
@@ -177,6 +177,6 @@ def backend_for(root: str | os.PathLike,
     scheme, location = split_root(root)
     if scheme not in _SCHEMES:
         known = ", ".join(sorted(f"{s}://" for s in _SCHEMES if s)) or "none"
-        raise ValueError(f"{os.fspath(root)}: no checkpoint backend for {scheme}:// (known: "
+        raise InvalidOptionError(f"{os.fspath(root)}: no checkpoint backend for {scheme}:// (known: "
                          f"{known}); pass a local directory or register_scheme() one")
     return _SCHEMES[scheme](storage_options or {}), location

@@ -19,11 +19,12 @@ def _finite(v: object) -> bool:
     return isinstance(v, float) and math.isfinite(v) and v > 0
 
 
-def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capsys):
+def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capfd):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    (tmp_path / "disk").mkdir()
     rc = main(["bench", "--quick", "--size", "64MiB", "--target", str(tmp_path / "disk"),
                "--saves", "2", "--timeline-steps", "12", "--json", str(out), "--plot", str(png)])
-    captured = capsys.readouterr()
+    captured = capfd.readouterr()  # the file descriptors: DCP's PROCESS daemon writes there
     assert rc == 0, captured.err
     res = json.loads(out.read_text())
     rows = res["rows"]
@@ -59,6 +60,9 @@ def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capsys
     else:
         assert not png.exists() and "matplotlib is not installed" in captured.err
     assert not list((tmp_path / "disk").iterdir()), "the run left checkpoints behind"
+    # stderr is no terminal here: no bars; the daemon's INFO lines stay out at WARNING
+    assert "\r" not in captured.err and "Checkpoint background process" not in captured.err, \
+        captured.err
 
 
 def test_bad_size_exits_2_with_a_message(capsys):

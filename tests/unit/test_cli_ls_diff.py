@@ -60,9 +60,11 @@ def test_ls_reports_a_damaged_record_without_failing(root):
     assert "DAMAGED" in run("ls", str(root)).stdout
 
 
-def test_ls_of_an_empty_or_missing_root_says_so(tmp_path):
-    proc = run("ls", str(tmp_path / "nothing"))
+def test_ls_of_an_empty_root_says_so_and_a_missing_one_is_an_error(tmp_path):
+    proc = run("ls", str(tmp_path))
     assert proc.returncode == 0 and "no checkpoints" in proc.stdout
+    proc = run("ls", str(tmp_path / "nothing"))  # a typo, not an empty root
+    assert proc.returncode == 2 and "nothing does not exist" in proc.stderr
 
 
 def test_ls_refuses_an_unknown_scheme_and_a_bad_storage_option(tmp_path):

@@ -104,10 +104,13 @@ class AsyncSaveCase(Case):
         self.process_group = process_group
 
     def save(self, state: dict[str, Any], path: str) -> SaveTiming:
-        return timed_async_save(lambda: dcp.async_save(
-            state, storage_writer=self.writer(path), planner=self.planner,
-            async_stager=self.stager, async_checkpointer_type=self.executor,
-            process_group=self.process_group))
+        from dcp_plus.cli.logs import quiet_checkpoint_daemon
+
+        with quiet_checkpoint_daemon():  # the PROCESS daemon, started by a first save
+            return timed_async_save(lambda: dcp.async_save(
+                state, storage_writer=self.writer(path), planner=self.planner,
+                async_stager=self.stager, async_checkpointer_type=self.executor,
+                process_group=self.process_group))
 
     def load(self, dest: dict[str, Any], path: str) -> None:
         dcp.load(dest, storage_reader=self.reader(path),

@@ -13,16 +13,22 @@ __all__ = ["add_bench_arguments", "cmd_bench"]
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """Exit status 0 on success (also when ``--plot`` was asked for without matplotlib: the
-    table and JSON are still written and stderr says why there is no PNG), 2 on bad input."""
-    from dcp_plus.cli.bench.plot import have_matplotlib, write_png
-    from dcp_plus.cli.bench.report import render
-    from dcp_plus.cli.bench.runner import run
+    table and JSON are still written and stderr says why there is no PNG), 2 on bad input,
+    found before any work: a bad option, a target that is missing, a file or not writable
+    (an S3 target: one small object written and removed), an output file that cannot be
+    written."""
+    from dcp_plus.cli.bench.preflight import preflight
 
     try:
         cfg = config_from_args(args)
     except ValueError as e:
         print(f"dcp-plus bench: {e}", file=sys.stderr)
         return 2
+    preflight(cfg, {"--json": args.json, "--plot": args.plot})  # DcpPlusError: exit 2
+    from dcp_plus.cli.bench.plot import have_matplotlib, write_png
+    from dcp_plus.cli.bench.report import render
+    from dcp_plus.cli.bench.runner import run
+
     plot = args.plot
     if plot and not have_matplotlib():
         print(f"dcp-plus bench: --plot {plot}: matplotlib is not installed, so no PNG will be "

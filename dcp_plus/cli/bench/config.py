@@ -87,9 +87,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default=None,
                    help="state-dict size, e.g. 256MiB, 2GiB (default 2GiB; 256MiB with --quick)")
     p.add_argument("--target", default=tempfile.gettempdir(),
-                   help="directory on the disk under test (a temporary subdirectory is made and "
-                        "removed) or an fsspec URL such as s3://bucket/prefix "
-                        "(default: %(default)s)")
+                   help="an existing directory on the disk under test (a temporary "
+                        "subdirectory is made and removed) or an fsspec URL such as "
+                        "s3://bucket/prefix (default: %(default)s)")
     p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec storage option for a URL target (repeatable), e.g. "
                         "endpoint_url=http://127.0.0.1:8333")
@@ -117,11 +117,14 @@ def config_from_args(a: argparse.Namespace) -> BenchConfig:
         raise ValueError(f"--ranks must be at least 1, got {a.ranks}")
     if a.saves is not None and a.saves < 1:
         raise ValueError(f"--saves must be at least 1, got {a.saves}")
+    if a.timeline_steps is not None and a.timeline_steps < 0:
+        raise ValueError(f"--timeline-steps must be 0 (no timeline) or more, got "
+                         f"{a.timeline_steps}")
     quick = bool(a.quick)
     steps = a.timeline_steps if a.timeline_steps is not None else (24 if quick else 60)
     return BenchConfig(
         size=parse_size(a.size) if a.size else (256 << 20 if quick else 2 << 30),
-        target=a.target, storage_options=parse_storage_options(a.storage_option),
+        target=a.target.removeprefix("file://"), storage_options=parse_storage_options(a.storage_option),
         ranks=a.ranks, saves=a.saves or (3 if quick else 4), cold=a.cold,
         timeline_steps=steps, timeline_every=6 if quick else 10,
         timeline_dim=256 if quick else 512,

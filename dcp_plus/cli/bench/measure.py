@@ -159,8 +159,7 @@ def measure(cfg: BenchConfig, rank: int = 0, world: int = 1,
     nbytes = state_dict_nbytes(state)
     root = cfg.target.rstrip("/") + f"/dcpp-bench-{uuid.uuid4().hex[:8]}" if cfg.is_url else ""
     if not cfg.is_url:
-        if rank == 0:
-            os.makedirs(cfg.target, exist_ok=True)
+        if rank == 0:  # the target exists: the CLI checked (preflight)
             root = tempfile.mkdtemp(prefix="dcpp-bench-", dir=cfg.target)
         if world > 1:
             box = [root]

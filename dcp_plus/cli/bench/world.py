@@ -96,7 +96,9 @@ def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
         spec.write_text(json.dumps({"config": fields, "world": cfg.ranks,
                                     "port": free_port(), "out": tmp}))
         spec.chmod(0o600)  # storage options may hold credentials
-        env = dict(os.environ)
+        from dcp_plus.cli.logs import child_env
+
+        env = child_env()  # the ranks log at this process's level
         env.setdefault("OMP_NUM_THREADS", "1")
         logs = [Path(tmp, f"rank{rank}.log") for rank in range(cfg.ranks)]
         codes = run_rank_processes(
@@ -111,6 +113,14 @@ def measure_in_world(cfg: BenchConfig, timeout: float = 3600) -> dict[str, Any]:
 
 
 def _main(spec_path: str, rank_arg: str) -> None:
+    from dcp_plus.cli.logs import bars_safe, configure_from_env
+
+    configure_from_env()
+    with bars_safe():  # rank 0's stderr is the user's terminal: log above its bar
+        _run_rank(spec_path, rank_arg)
+
+
+def _run_rank(spec_path: str, rank_arg: str) -> None:
     import torch.distributed as dist
 
     from dcp_plus.cli.bench.measure import measure, merge_ranks
