@@ -3,17 +3,15 @@ without a training job, under the root's lease (so never beside a live writer)."
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
-from dcp_plus.cli.listing import list_root
+from dcp_plus.cli.listing import check_root, list_root
 from dcp_plus.errors import DcpPlusError
 from dcp_plus.manager.lease import LEASE_DIR, RootLease
 from dcp_plus.manager.retention import to_remove
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.manager.storage import Backend, backend_for
-from dcp_plus.storage.urls import is_url
 
 
 def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
@@ -27,9 +25,7 @@ def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
                            "removes the newest committed one)")
     if keep_every is not None and keep_every < 1:
         raise DcpPlusError(f"--keep-every {keep_every}: expected a step multiple >= 1")
-    if not is_url(root) and not os.path.isdir(root):
-        raise DcpPlusError(f"{root}: no such directory" if not os.path.exists(root)
-                           else f"{root}: not a directory, so not a checkpoint root")
+    check_root(root)
     backend, location = backend_for(root, storage_options)
     lease = RootLease(backend.lease_store(backend.join(location, LEASE_DIR)))
     holder = lease.current()

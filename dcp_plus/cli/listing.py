@@ -14,6 +14,13 @@ from dcp_plus.readers.base import ExtentReader
 from dcp_plus.storage.urls import is_url
 
 
+def check_root(root: str) -> None:
+    """Refuse a local ``root`` that is missing or a file (a typo is not an empty root)."""
+    if not is_url(root) and not os.path.isdir(root):
+        what = "is a file, expected a directory" if os.path.exists(root) else "does not exist"
+        raise DcpPlusError(f"{root} {what}")
+
+
 def list_root(root: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Every checkpoint folder directly under ``root``: ``step_XXXXXXXX`` folders (a
     manager's) and any other folder holding a commit record, oldest step first.
@@ -22,9 +29,7 @@ def list_root(root: str, storage_options: Mapping[str, Any] | None = None) -> di
     ``latest`` pointer names it), tensors and stored bytes (committed ones, from the record,
     validated as untrusted input: a damaged record is reported in ``problem``).
     """
-    if not is_url(root) and not os.path.isdir(root):  # a typo is not an empty root
-        what = "is a file, expected a directory" if os.path.exists(root) else "does not exist"
-        raise DcpPlusError(f"{root} {what}")
+    check_root(root)
     backend, location = backend_for(root, storage_options)
     croot = CheckpointRoot(backend, location)
     try:

@@ -9,7 +9,8 @@ import os
 import sys
 import traceback
 
-from dcp_plus.cli.verbs import add_checkpoint_verbs, storage_options
+from dcp_plus.cli.options import parse_storage_options
+from dcp_plus.cli.verbs import add_checkpoint_verbs
 from dcp_plus.errors import DcpPlusError
 
 
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv = sub.add_parser("convert", help="a checkpoint to another format: dcp_plus, stock DCP, "
                                          "one torch.save file or safetensors")
     add_convert_arguments(cv)
-    cv.set_defaults(func=lambda a: cmd_convert(a, storage_options(a.storage_option)))
+    cv.set_defaults(func=lambda a: cmd_convert(a, parse_storage_options(a.storage_option)))
 
     from dcp_plus.cli.plan.args import add_plan_arguments
 

@@ -8,7 +8,8 @@ import json
 import sys
 from typing import Any
 
-from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, DcpPlusError
+from dcp_plus.cli.options import add_storage_option, parse_storage_options
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 
 
 def _human(n: float) -> str:
@@ -22,7 +23,7 @@ def _human(n: float) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dcp_plus.readers.inspect import summarize
 
-    info = summarize(args.path, storage_options(args.storage_option))
+    info = summarize(args.path, parse_storage_options(args.storage_option))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -54,7 +55,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     from dcp_plus.readers.inspect import load_record, stored_bytes, verify
 
-    options = storage_options(args.storage_option)
+    options = parse_storage_options(args.storage_option)
     try:
         record = load_record(args.path, options)  # decoded once: progress total and checks
         with tqdm(total=stored_bytes(record), unit="B", unit_scale=True, desc="verifying",
@@ -82,25 +83,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def storage_options(pairs: list[str]) -> dict[str, Any]:
-    """``--storage-option K=V`` pairs as a dict; a value that parses as JSON (numbers,
-    true, objects) is taken as such."""
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise DcpPlusError(f"--storage-option {pair!r}: expected KEY=VALUE")
-        try:
-            out[key] = json.loads(value)
-        except ValueError:
-            out[key] = value
-    return out
-
-
 def cmd_ls(args: argparse.Namespace) -> int:
     from dcp_plus.cli.listing import list_root
 
-    info = list_root(args.root, storage_options(args.storage_option))
+    info = list_root(args.root, parse_storage_options(args.storage_option))
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -128,7 +114,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     """Exit 0: done (or, ``--dry-run``, planned); 2: refused, or a removal failed."""
     from dcp_plus.cli.gc import collect
 
-    res = collect(args.root, storage_options(args.storage_option), keep_last=args.keep_last,
+    res = collect(args.root, parse_storage_options(args.storage_option), keep_last=args.keep_last,
                   keep_every=args.keep_every, dry_run=args.dry_run)
     if args.json:
         print(json.dumps(res, indent=2))
@@ -154,7 +140,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """Exit 0: the same tensors with the same content; 1: they differ."""
     from dcp_plus.cli.diff import diff_checkpoints
 
-    d = diff_checkpoints(args.a, args.b, storage_options(args.storage_option))
+    d = diff_checkpoints(args.a, args.b, parse_storage_options(args.storage_option))
     differ = bool(d["added"] or d["removed"] or d["changed"])
     if args.json:
         print(json.dumps(d, indent=2))
@@ -179,9 +165,7 @@ def _verb(sub: Any, name: str, help: str, func: Any, *positionals: str,
     p = sub.add_parser(name, help=help)
     for positional in positionals:
         p.add_argument(positional)
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="for an s3:// (fsspec) or nfs:// location: a client option, e.g. "
-                        "endpoint_url=http://127.0.0.1:8333 (repeatable)")
+    add_storage_option(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=func)
     return p

@@ -92,10 +92,10 @@ def test_bad_retention_values_are_refused(root: Path, argv: list[str], needle: s
 
 def test_a_missing_root_or_a_file_is_an_input_error(tmp_path: Path) -> None:
     missing = run("gc", str(tmp_path / "nope"))
-    assert missing.returncode == 2 and "no such directory" in missing.stderr
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
     (tmp_path / "f").write_text("x")
     file = run("gc", str(tmp_path / "f"))
-    assert file.returncode == 2 and "not a directory" in file.stderr
+    assert file.returncode == 2 and "is a file, expected a directory" in file.stderr
 
 
 TRAINER = textwrap.dedent("""

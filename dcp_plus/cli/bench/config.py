@@ -3,46 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import re
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcp_plus.cli.options import add_storage_option, parse_size, parse_storage_options
 from dcp_plus.storage.urls import is_url
-
-_BYTE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1024, "m": 1e6, "mb": 1e6,
-               "mib": 1 << 20, "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12,
-               "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"2GiB"``, ``"256MiB"``, ``"1.5GB"``, ``"64m"`` -> bytes (a bare number is bytes).
-
-    Raises:
-        ValueError: not a positive size.
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", text.lower())
-    if not m or m[2] not in _BYTE_UNITS or float(m[1]) <= 0:
-        raise ValueError(f"not a size: {text!r} (try 64MiB, 2GiB or 1.5GB)")
-    return int(float(m[1]) * _BYTE_UNITS[m[2]])
-
-
-def parse_storage_options(items: list[str]) -> dict[str, Any]:
-    """``["key=value", ...]`` -> fsspec ``storage_options``; values ``true``/``false``/
-    integers become bool/int, anything else stays a string.
-
-    Raises:
-        ValueError: an item without ``=``.
-    """
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--storage-option takes key=value, got {item!r}")
-        low = value.lower()
-        out[key] = (low == "true") if low in ("true", "false") else (
-            int(value) if re.fullmatch(r"-?[0-9]+", value) else value)
-    return out
 
 
 @dataclass(kw_only=True, slots=True)
@@ -90,9 +56,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="an existing directory on the disk under test (a temporary "
                         "subdirectory is made and removed) or an fsspec URL such as "
                         "s3://bucket/prefix (default: %(default)s)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="fsspec storage option for a URL target (repeatable), e.g. "
-                        "endpoint_url=http://127.0.0.1:8333")
+    add_storage_option(p)
     p.add_argument("--ranks", type=int, default=1, help="processes in a gloo world (default 1)")
     p.add_argument("--saves", type=int, default=None,
                    help="saves per case (default 4; 3 with --quick)")

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from dcp_plus.cli.options import add_storage_option, parse_size
+
 TARGET_CHOICES = ("dcp_plus", "dcp", "torch", "safetensors")
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``500MB``, ``5GB`` (powers of 1000), ``2GiB`` (of 1024), or a number of bytes."""
-    m = _SIZE.fullmatch(text.strip())
-    if m is None or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 5GB, 512MiB or "
-                                         "1000000")
-    power = "KMGT".find(m.group(2).upper()) + 1 if m.group(2) else 0
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-
-
 def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of ``dcp-plus convert``."""
     p.add_argument("src", help="checkpoint to read: a dcp_plus or stock DCP checkpoint "
@@ -41,8 +29,7 @@ def add_convert_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-file-size", type=parse_size, default=None, metavar="SIZE",
                    help="--to safetensors: start a new file before one passes SIZE (default: "
                         "one file)")
-    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="passed to fsspec for a URL source or destination (repeatable)")
+    add_storage_option(p)
 
 
 def cmd_convert(args: argparse.Namespace, storage_options: Mapping[str, Any]) -> int:
