@@ -12,23 +12,24 @@ from dcp_plus.storage.urls import is_url
 
 
 def reader_for(location: str | os.PathLike, storage_options: Mapping[str, Any] | None = None,
-               ) -> ExtentReader:
+               *, allow_pickle: bool = False) -> ExtentReader:
     """:class:`~dcp_plus.NFSReader` for ``nfs://``, :class:`~dcp_plus.ObjectStoreReader` for
     other URLs (``s3://``, ``gs://``, ``file://``...), :class:`~dcp_plus.LocalReader` for
-    paths. ``storage_options`` go to the URL's client; a local path takes none."""
+    paths. ``storage_options`` go to the URL's client; a local path takes none.
+    ``allow_pickle``: as the readers take it (stock DCP checkpoints you trust)."""
     text = os.fspath(location)
     options = dict(storage_options or {})
     if text.startswith("nfs://"):
         from dcp_plus.readers.nfs import NFSReader
 
-        return NFSReader(text, options)
+        return NFSReader(text, options, allow_pickle=allow_pickle)
     if is_url(text):
         from dcp_plus.readers.object_store import ObjectStoreReader
 
-        return ObjectStoreReader(text, options)
+        return ObjectStoreReader(text, options, allow_pickle=allow_pickle)
     if options:
         raise DcpPlusError(f"{text}: storage options ({', '.join(sorted(options))}) apply to "
                            "URLs only, not to a local path")
     from dcp_plus.readers.local import LocalReader
 
-    return LocalReader(text)
+    return LocalReader(text, allow_pickle=allow_pickle)

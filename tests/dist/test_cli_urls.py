@@ -105,13 +105,18 @@ def test_ls_lists_a_manager_root_on_s3(s3) -> None:
     assert all(r["committed"] and r["tensors"] == 1 for r in info["checkpoints"])
 
 
-def test_inspect_and_verify_over_nfs_find_damage_done_on_the_server(
-        ganesha: GaneshaServer) -> None:
+def test_inspect_verify_convert_diff_over_nfs_and_damage_done_on_the_server(
+        ganesha: GaneshaServer, tmp_path: Path) -> None:
     rel = f"t/cli-{uuid.uuid4().hex[:10]}"
     target = f"{ganesha.url}/{rel}{ganesha.query()}"
     dcp.save(build_state_dict(), storage_writer=NFSWriter(target), no_dist=True)
     assert run("inspect", target).returncode == 0
     assert run("verify", target).returncode == 0
+    copy = tmp_path / "copy"
+    converted = run("convert", target, str(copy), "--to", "dcp_plus")
+    assert converted.returncode == 0, converted.stderr
+    same = run("diff", target, str(copy))
+    assert same.returncode == 0 and " 0 changed" in same.stdout, same.stdout
     on_server = Path(ganesha.export_dir, rel)
     record = json.loads((on_server / ".metadata").read_bytes())
     ext = largest_extent(record)

@@ -25,6 +25,7 @@ from dcp_plus.errors import DcpPlusError, UnsafeCheckpointError
 from dcp_plus.manager.control import quiet_if_alone
 from dcp_plus.manager.storage import backend_for
 from dcp_plus.planners import SafeLoadPlanner
+from dcp_plus.readers.locate import reader_for
 from dcp_plus.storage.urls import is_url
 
 DCP_PLUS = "dcp_plus"
@@ -60,8 +61,8 @@ def open_source(path: str, storage_options: Mapping[str, Any], allow_pickle: boo
         CheckpointNotFoundError: no commit record there.
         UnsafeCheckpointError: a stock checkpoint and ``allow_pickle`` is false.
     """
-    backend, location = backend_for_source(path, storage_options)
-    reader = backend.reader(location, {})
+    options = storage_options if is_url(path) else None  # a local side takes none
+    reader = reader_for(path, options)
     try:
         metadata = reader.read_metadata()
         kind = DCP_PLUS
@@ -73,7 +74,7 @@ def open_source(path: str, storage_options: Mapping[str, Any], allow_pickle: boo
                 "where it came from") from None
         kind = STOCK
     if allow_pickle:  # also lets values of a dcp_plus checkpoint that need unpickling load
-        reader = backend.reader(location, {"allow_pickle": True})
+        reader = reader_for(path, options, allow_pickle=True)
         metadata = reader.read_metadata()
     return Source(path, kind, metadata, reader, unpickles=allow_pickle)
 
