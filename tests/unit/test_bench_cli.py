@@ -79,7 +79,7 @@ def test_sizes_parse_binary_and_decimal_units(text, expected):
 def test_storage_options_pass_through_with_bools_and_ints():
     assert parse_storage_options(["endpoint_url=http://h:1", "anon=true", "max_pool=8"]) == {
         "endpoint_url": "http://h:1", "anon": True, "max_pool": 8}
-    with pytest.raises(ValueError, match="key=value"):
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
         parse_storage_options(["novalue"])
 
 
