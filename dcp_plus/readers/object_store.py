@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from dcp_plus.readers.base import ExtentReader
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.storage.retry import RetryPolicy
-from dcp_plus.storage.urls import is_url
+from dcp_plus.storage.urls import names_location
 
 
 class ObjectStoreReader(ExtentReader):
@@ -54,7 +54,7 @@ class ObjectStoreReader(ExtentReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_url(checkpoint_id)
+        return isinstance(checkpoint_id, str) and names_location(checkpoint_id)
 
     def _stock_reader(self) -> StorageReader:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader

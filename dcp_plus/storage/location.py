@@ -6,12 +6,22 @@ import abc
 import os
 from typing import Any
 
+from dcp_plus.errors import InvalidOptionError
 from dcp_plus.storage.objectio import ObjectStore
+from dcp_plus.storage.urls import is_url, names_location
 
 
 def normalize_location(checkpoint_id: str | os.PathLike) -> str:
-    """A checkpoint's directory or URL as writers and readers keep it (no trailing ``/``)."""
-    return os.fspath(checkpoint_id).rstrip("/") or "/"
+    """A checkpoint's directory or URL as writers and readers keep it (no trailing ``/``).
+
+    Raises:
+        InvalidOptionError: a URL that names no location (``s3://``, ``s3:///key``).
+    """
+    text = os.fspath(checkpoint_id)
+    if is_url(text) and not names_location(text):
+        raise InvalidOptionError(f"{text!r} names no bucket or location: expected e.g. "
+                                 "s3://bucket/prefix")
+    return text.rstrip("/") or "/"
 
 
 class StoreClient(abc.ABC):

@@ -14,6 +14,21 @@ def is_url(path: str | os.PathLike[str]) -> bool:
     return isinstance(path, str) and _SCHEME.match(path) is not None
 
 
+_BUCKETED = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"}
+"""Schemes whose first component is a bucket or container: without one, nothing is named."""
+
+
+def names_location(url: str) -> bool:
+    """Whether URL ``url`` names somewhere to keep a checkpoint: a bucket for object stores
+    (``s3://`` and ``s3:///`` name none), a non-empty path otherwise."""
+    if not is_url(url):
+        return False
+    scheme, rest = url.split("://", 1)
+    if scheme.lower() in _BUCKETED:
+        return rest.split("/", 1)[0] != ""
+    return rest.strip("/") != ""
+
+
 def is_nfs_target(target: str | os.PathLike[str]) -> bool:
     """A mounted path (no URL scheme) or an ``nfs://`` URL."""
     return str(target).startswith("nfs://") or not is_url(target)

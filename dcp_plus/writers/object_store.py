@@ -10,7 +10,7 @@ from typing import Any
 from dcp_plus.format.codecs import Codec
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.storage.retry import RetryPolicy
-from dcp_plus.storage.urls import is_url
+from dcp_plus.storage.urls import names_location
 from dcp_plus.writers.base import CommittingWriter, Fence
 from dcp_plus.writers.layout import FilePlan
 from dcp_plus.writers.pool import DEFAULT_NICE
@@ -69,7 +69,7 @@ class ObjectStoreWriter(CommittingWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return is_url(checkpoint_id)
+        return isinstance(checkpoint_id, str) and names_location(checkpoint_id)
 
     def _open_store(self) -> ObjectStore:
         return open_store(self.path, self.storage_options, self.config)

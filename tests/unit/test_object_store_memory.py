@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_plus import (
     CheckpointNotFoundError,
+    InvalidOptionError,
     ObjectStoreReader,
     ObjectStoreWriter,
     SafeLoadPlanner,
@@ -158,6 +159,13 @@ def test_validate_checkpoint_id_takes_urls_only() -> None:
     assert ObjectStoreWriter.validate_checkpoint_id("s3://b/p")
     assert ObjectStoreReader.validate_checkpoint_id("memory://x")
     assert not ObjectStoreWriter.validate_checkpoint_id("/local/dir")
+    for nowhere in ("s3://", "s3:///", "s3:///key", "gs://", "memory://", "memory:///"):
+        assert not ObjectStoreWriter.validate_checkpoint_id(nowhere), nowhere
+        assert not ObjectStoreReader.validate_checkpoint_id(nowhere), nowhere
+    assert ObjectStoreReader.validate_checkpoint_id("s3://bucket")
+    assert ObjectStoreReader.validate_checkpoint_id("file:///tmp/ckpt")
+    with pytest.raises(InvalidOptionError, match="names no bucket"):
+        ObjectStoreWriter("s3:///key")
 
 
 def test_plan_requests_coalesce_close_extents_and_cut_at_range_multiples() -> None:
