@@ -37,6 +37,7 @@ from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import check_digest, check_extent_bounds, verify_checksum
 from dcp_plus.readers.raw_bytes import deliver_bytesio
 from dcp_plus.storage.direct_extents import ExtentEOFError
+from dcp_plus.storage.direct_read import DIRECT_ALIGN
 from dcp_plus.storage.fanout import fan_out
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.objectio import ExtentStore
@@ -47,6 +48,14 @@ ReadExtents = Callable[[list[tuple[str, int, int]], Callable[[int], memoryview],
 """``read_extents(extents, open_extent, done, executor)`` of an ``ExtentStore``; ``done(k)``
 or ``done(k, checksum)``."""
 PICKLE_PROTOCOL_BYTE = 0x80
+
+
+def aligned_bytes(n: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``n`` bytes starting 4 KiB-aligned in memory, so
+    that O_DIRECT reads can fill it without a bounce buffer."""
+    raw = torch.empty(n + DIRECT_ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[start : start + n]
 
 
 def describe(index: MetadataIndex) -> str:
@@ -277,7 +286,7 @@ class ExtentReader(StoreClient, StorageReader):
             raise CheckpointFormatError(f"{self._location(ext.file)}: {describe(index)}: "
                                         f"{e.args[0]}") from None
         raw_view, deliver = self._raw_destination(index, ext, reqs, planner)
-        stored = memoryview(bytearray(ext.length))
+        stored = byte_view(aligned_bytes(ext.length))
 
         def decode_and_deliver() -> None:
             try:
@@ -320,7 +329,7 @@ class ExtentReader(StoreClient, StorageReader):
                     planner.commit_tensor(req, target)
                 return view, deliver_direct
 
-        staging = torch.empty(nbytes, dtype=torch.uint8)
+        staging = aligned_bytes(nbytes)
 
         def deliver_copy() -> None:
             chunk = staging.view(dtype).reshape(sizes) if nbytes else torch.empty(

@@ -1,8 +1,8 @@
 """Whole extents read with ``O_DIRECT`` by a few threads, each hashed as its bytes land.
 
-Requests are :func:`~dcp_plus.storage.ranged.plan_requests`' (neighbours coalesced, runs cut
-at multiples of :data:`PIECE`, so a request starts where an extent or a multiple of ``PIECE``
-does: 4 KiB-aligned in dcp_plus files). A request that is one piece of one extent whose
+Requests are :func:`~dcp_plus.storage.ranged.plan_requests`' (small neighbours coalesced,
+runs cut at multiples of :data:`PIECE`, so a request starts where an extent or a multiple of
+``PIECE`` does: 4 KiB-aligned in dcp_plus files). A request that is one piece of one extent whose
 buffer lies 4 KiB-aligned in memory is read straight into the buffer (a last part under 4 KiB
 through one page of a bounce buffer); any other request is read, as the aligned span around
 it, into a bounce buffer and copied out. Each extent's bytes are hashed in file order as they
@@ -38,7 +38,11 @@ PIECE = 16 << 20
 """The longest request: 4 streams of 16 MiB reach the device's O_DIRECT read rate here."""
 HASH_STEP = 1 << 20
 GAP = 64 << 10
-"""Extents at most this far apart are read by one request (the gap into the bounce buffer)."""
+"""Small extents at most this far apart are read by one request (the gap into the bounce
+buffer)."""
+OWN_REQUESTS = 1 << 20
+"""Extents this long or longer are never coalesced: their requests may go straight into an
+aligned destination."""
 BOUNCE_BYTES = PIECE + 2 * DIRECT_ALIGN  # a request's aligned span, unaligned ends rounded out
 
 Done = Callable[[int, "str | None"], None]
@@ -134,7 +138,7 @@ class DirectRead:
         The first failure stops the requests still to come and is raised
         (:class:`ExtentEOFError` for a file that ends before an extent does). Empty extents
         are neither opened nor done."""
-        requests = plan_requests(extents, GAP, PIECE)
+        requests = _plan(extents)
         progress = _Progress(done, hashed)
 
         def views(req: RangeRequest) -> list[memoryview | None]:
@@ -246,6 +250,15 @@ class DirectRead:
                 break
         return ExtentEOFError(f"{self._location(req.name)}: unexpected end of file at byte "
                               f"{at}", cut)
+
+
+def _plan(extents: Sequence[tuple[str, int, int]]) -> list[RangeRequest]:
+    """The requests: small extents coalesced, long ones alone; per file, in file order."""
+    small = [(n, o, ln if ln < OWN_REQUESTS else 0) for n, o, ln in extents]
+    long = [(n, o, ln if ln >= OWN_REQUESTS else 0) for n, o, ln in extents]
+    files = {name: i for i, name in enumerate(dict.fromkeys(n for n, _, _ in extents))}
+    requests = plan_requests(small, GAP, PIECE) + plan_requests(long, -1, PIECE)
+    return sorted(requests, key=lambda r: (files[r.name], r.start))
 
 
 def _starts(req: RangeRequest) -> list[int]:
