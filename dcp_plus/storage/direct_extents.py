@@ -15,8 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
-from concurrent.futures import wait as wait_all
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from dcp_plus.format.checksum import Hasher, format_checksum, new_hasher
@@ -30,7 +29,7 @@ from dcp_plus.storage.direct_read import (
     pread_upto,
     set_direct,
 )
-from dcp_plus.storage.fanout import gather
+from dcp_plus.storage.fanout import windowed
 from dcp_plus.storage.fileio import read_coalesced
 from dcp_plus.storage.ranged import RangeRequest, plan_requests
 
@@ -149,38 +148,13 @@ class DirectRead:
                 for req in requests:
                     self._request(req, views(req), progress)
                 return
-            self._pipeline(requests, views, progress, executor, streams)
+            # a slot covers delivery too: buffers are bounded
+            windowed(requests, views, lambda req, bufs: self._request(req, bufs, progress),
+                     executor, streams)
         finally:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-    def _pipeline(self, requests: list[RangeRequest],
-                  views: Callable[[RangeRequest], list[memoryview | None]],
-                  progress: _Progress, executor: Executor, streams: int) -> None:
-        window = threading.Semaphore(streams)  # a slot covers delivery too: buffers are bounded
-        failed = threading.Event()
-
-        def one(req: RangeRequest, bufs: list[memoryview | None]) -> None:
-            try:
-                self._request(req, bufs, progress)
-            except BaseException:
-                failed.set()
-                raise
-            finally:
-                window.release()
-
-        futures: list[Future[None]] = []
-        try:
-            for req in requests:
-                window.acquire()
-                if failed.is_set():
-                    break
-                futures.append(executor.submit(one, req, views(req)))
-        except BaseException:
-            wait_all(futures)  # no request may still fill a buffer when this raises
-            raise
-        gather(futures)
 
     def _fd(self, name: str) -> int:
         with self._lock:
