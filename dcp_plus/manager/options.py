@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.codecs import Codec, resolve_codec
+from dcp_plus.storage.direct_read import DirectIO, direct_io_problem
 
 _T = TypeVar("_T")
 _Check = Callable[[Any], str | None]
@@ -155,6 +156,11 @@ class ObjectStoreWriterOptions(_Writing, _Requests):
 @dataclass(frozen=True, kw_only=True)
 class LocalReaderOptions(_Reading):
     """Settings of the :class:`~dcp_plus.LocalReader` of a local or mounted root."""
+
+    direct_io: DirectIO = _setting("auto", check=direct_io_problem)
+    """Read data files with ``O_DIRECT`` (bypassing the page cache: cold files stay cold):
+    ``"auto"`` where it helps (not on tmpfs), ``True`` wherever allowed, ``False`` never; a
+    file system that refuses it gets buffered reads."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,14 +34,28 @@ from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.extent import BYTESIO
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
 from dcp_plus.format.values import byte_view, check_loads_safely
-from dcp_plus.readers.extents import check_extent_bounds, verify_checksum
+from dcp_plus.readers.extents import check_digest, check_extent_bounds, verify_checksum
 from dcp_plus.readers.raw_bytes import deliver_bytesio
+from dcp_plus.storage.direct_extents import ExtentEOFError
+from dcp_plus.storage.direct_read import DIRECT_ALIGN
 from dcp_plus.storage.fanout import fan_out
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.objectio import ExtentStore
 
 BATCH_BYTES = 64 << 20
+ReadExtents = Callable[[list[tuple[str, int, int]], Callable[[int], memoryview],
+                        Callable[..., None], ThreadPoolExecutor], None]
+"""``read_extents(extents, open_extent, done, executor)`` of an ``ExtentStore``; ``done(k)``
+or ``done(k, checksum)``."""
 PICKLE_PROTOCOL_BYTE = 0x80
+
+
+def aligned_bytes(n: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``n`` bytes starting 4 KiB-aligned in memory, so
+    that O_DIRECT reads can fill it without a bounce buffer."""
+    raw = torch.empty(n + DIRECT_ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[start : start + n]
 
 
 def describe(index: MetadataIndex) -> str:
@@ -173,7 +187,7 @@ class ExtentReader(StoreClient, StorageReader):
         where the store reads that way, else per data file in batches of up to
         ``BATCH_BYTES`` filled by :meth:`_fill` on ``threads`` threads."""
         if isinstance(self._store, ExtentStore):
-            self._read_pipelined(self._store, by_extent, planner)
+            self._read_pipelined(self._store.read_extents, by_extent, planner)
             return
         per_file: dict[str, list[MetadataIndex]] = defaultdict(list)
         for idx in by_extent:
@@ -194,13 +208,14 @@ class ExtentReader(StoreClient, StorageReader):
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-read") as pool:
             fan_out(lambda batch: self._read_batch(*batch, by_extent, planner), batches, pool)
 
-    def _read_pipelined(self, store: ExtentStore,
+    def _read_pipelined(self, read_extents: ReadExtents,
                         by_extent: dict[MetadataIndex, list[ReadItem]],
                         planner: LoadPlanner) -> None:
-        # One pipeline over all the objects: ranged GETs aligned to range_size run
-        # `concurrency` at a time in order; an extent's destination is resolved just before
-        # its first GET starts, and it is verified and delivered on one of `threads` threads
-        # as soon as its last GET is in. No per-batch barriers, no batch-boundary fragments.
+        # One pipeline over all the objects or files: ranged GETs aligned to range_size run
+        # `concurrency` at a time in order (LocalReader's O_DIRECT reads: `threads` at a
+        # time); an extent's destination is resolved just before its first request starts,
+        # and it is verified and delivered on one of `threads` threads as soon as its last
+        # request is in. No per-batch barriers, no batch-boundary fragments.
         indexes = sorted(by_extent, key=lambda i: (self._extent(i).file, self._extent(i).offset))
         extents = [self._extent(i) for i in indexes]
         opened: dict[int, tuple[memoryview, Callable[[], None]]] = {}
@@ -209,9 +224,9 @@ class ExtentReader(StoreClient, StorageReader):
             opened[k] = self._destination(indexes[k], by_extent[indexes[k]], planner)
             return opened[k][0]
 
-        def done(k: int) -> None:
+        def done(k: int, checksum: str | None = None) -> None:
             buf, finish = opened.pop(k)
-            self._deliver(indexes[k], buf, finish)
+            self._deliver(indexes[k], buf, finish, checksum)
 
         for k, e in enumerate(extents):
             if not e.length:  # nothing to fetch
@@ -219,10 +234,12 @@ class ExtentReader(StoreClient, StorageReader):
                 done(k)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-read") as pool:
             try:
-                store.read_extents([(e.file, e.offset, e.length) for e in extents],
-                                   open_extent, done, pool)
+                read_extents([(e.file, e.offset, e.length) for e in extents], open_extent,
+                             done, pool)
             except EOFError as e:
-                raise CorruptCheckpointError(f"{e}: truncated {self._unit}") from None
+                what = f" while reading {describe(indexes[e.extent])}" if isinstance(
+                    e, ExtentEOFError) else ""
+                raise CorruptCheckpointError(f"{e}{what}: truncated {self._unit}") from None
 
     # -- shared machinery -------------------------------------------------------------------
 
@@ -243,14 +260,18 @@ class ExtentReader(StoreClient, StorageReader):
         for index, (buf, finish) in zip(batch, targets, strict=True):
             self._deliver(index, buf, finish)
 
-    def _deliver(self, index: MetadataIndex, buf: memoryview,
-                 finish: Callable[[], None]) -> None:
-        """Check a filled extent's checksum (unless ``verify=False``), then deliver it."""
+    def _deliver(self, index: MetadataIndex, buf: memoryview, finish: Callable[[], None],
+                 checksum: str | None = None) -> None:
+        """Check a filled extent's checksum (unless ``verify=False``), then deliver it;
+        ``checksum``: the content checksum of ``buf`` when the read computed it already."""
         if self.verify:
             ext = self._extent(index)
             chunk = self._chunks.get(index)
             identity = extent_identity(index, None if chunk is None else dtype_name(chunk[0]), ext)
-            verify_checksum(buf, ext, describe(index), self.path, identity)
+            if checksum is None:
+                verify_checksum(buf, ext, describe(index), self.path, identity)
+            else:
+                check_digest(checksum, ext, describe(index), self.path, identity)
         finish()
 
     def _destination(self, index: MetadataIndex, reqs: list[ReadItem],
@@ -265,7 +286,7 @@ class ExtentReader(StoreClient, StorageReader):
             raise CheckpointFormatError(f"{self._location(ext.file)}: {describe(index)}: "
                                         f"{e.args[0]}") from None
         raw_view, deliver = self._raw_destination(index, ext, reqs, planner)
-        stored = memoryview(bytearray(ext.length))
+        stored = byte_view(aligned_bytes(ext.length))
 
         def decode_and_deliver() -> None:
             try:
@@ -308,7 +329,7 @@ class ExtentReader(StoreClient, StorageReader):
                     planner.commit_tensor(req, target)
                 return view, deliver_direct
 
-        staging = torch.empty(nbytes, dtype=torch.uint8)
+        staging = aligned_bytes(nbytes)
 
         def deliver_copy() -> None:
             chunk = staging.view(dtype).reshape(sizes) if nbytes else torch.empty(

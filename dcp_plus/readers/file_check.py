@@ -8,6 +8,7 @@ any store), whatever the number of extents in it.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,7 +210,8 @@ def _scan(store: ObjectStore, name: str, entries: list[Entry], plan: list[tuple[
           dtypes: dict[str, str], size: int, state: _FileState, report: VerifyReport,
           progress: Callable[[int], None] | None) -> None:
     hashers: dict[int, Any] = {}
-    buf = bytearray(min(BATCH, sum(e - s for s, e, _ in plan)) or 1)
+    # page-aligned (an anonymous mapping): O_DIRECT reads of a local store land in it directly
+    buf = mmap.mmap(-1, min(BATCH, sum(e - s for s, e, _ in plan)) or 1)
     for start, batch in _pieces(plan):
         view = memoryview(buf)[: batch[-1][1] - start]
         try:

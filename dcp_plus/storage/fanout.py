@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from typing import Any, Protocol, TypeVar
 
 A = TypeVar("A")
+B = TypeVar("B")
 T = TypeVar("T")
 
 
@@ -37,6 +39,37 @@ def fan_out(fn: Callable[[A], T], items: Sequence[A], pool: Submitter) -> list[T
     if len(items) <= 1:
         return [fn(x) for x in items]
     return gather([pool.submit(fn, x) for x in items])
+
+
+def windowed(items: Iterable[A], prepare: Callable[[A], B], run: Callable[[A, B], None],
+             pool: Submitter, window: int) -> None:
+    """``run(x, prepare(x))`` for every ``x`` on ``pool``, at most ``window`` calls at a time;
+    ``prepare(x)`` runs on this thread, in order, just before ``x`` is submitted (so what it
+    opens exists only while at most ``window`` calls are under way). The first failure
+    stops the submissions; it is raised once every submitted call has ended."""
+    slots = threading.Semaphore(window)
+    failed = threading.Event()
+
+    def one(x: A, prepared: B) -> None:
+        try:
+            run(x, prepared)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            slots.release()
+
+    futures: list[Future[None]] = []
+    try:
+        for x in items:
+            slots.acquire()
+            if failed.is_set():
+                break
+            futures.append(pool.submit(one, x, prepare(x)))
+    except BaseException:
+        wait_all(futures)  # no call may still be running when this raises
+        raise
+    gather(futures)
 
 
 class Threads:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import posixpath
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
-from concurrent.futures import wait as wait_all
+from concurrent.futures import Executor
 from typing import Any
 
-from dcp_plus.storage.fanout import Threads, gather
+from dcp_plus.storage.fanout import Threads, windowed
 from dcp_plus.storage.http_errors import HTTP_ERRORS
 from dcp_plus.storage.ranged import (
     ExtentFill,
@@ -98,42 +96,25 @@ class FsspecStore(ReadsByExtents):
                      executor: Executor | None = None) -> None:
         requests = plan_requests(extents, self.config.coalesce_gap, self.config.range_size)
         book = ExtentFill(requests, open_extent)
-        window = threading.Semaphore(self.config.concurrency)  # == the pool's threads
-        failed = threading.Event()
 
         def deliver(ks: list[int]) -> None:
             for k in ks:
                 done(k)
 
         def one(req: RangeRequest, views: list[memoryview]) -> None:
-            try:
-                what, end = self.location(req.name), req.start + req.length
+            what, end = self.location(req.name), req.start + req.length
 
-                def attempt(_: int) -> None:
-                    fill(views, self.fs.cat_file(self._path(req.name), req.start, end), what)
-                self._retry.call(attempt, f"GET {what} bytes {req.start}..{end}")
-                finished = book.finished(req)
-                if executor is None:
-                    deliver(finished)
-                elif finished:
-                    executor.submit(deliver, finished).result()
-            except BaseException:
-                failed.set()
-                raise
-            finally:  # the slot covers delivery too: buffers never pile up
-                window.release()
+            def attempt(_: int) -> None:
+                fill(views, self.fs.cat_file(self._path(req.name), req.start, end), what)
+            self._retry.call(attempt, f"GET {what} bytes {req.start}..{end}")
+            finished = book.finished(req)
+            if executor is None:
+                deliver(finished)
+            elif finished:
+                executor.submit(deliver, finished).result()
 
-        futures: list[Future[None]] = []
-        try:
-            for req in requests:
-                window.acquire()
-                if failed.is_set():
-                    break
-                futures.append(self._threads.submit(one, req, book.views(req)))
-        except BaseException:
-            wait_all(futures)  # no request may still fill a buffer when this raises
-            raise
-        gather(futures)
+        # a slot covers delivery too (== the pool's threads): buffers never pile up
+        windowed(requests, book.views, one, self._threads, self.config.concurrency)
 
     def list(self) -> list[str]:
         try:

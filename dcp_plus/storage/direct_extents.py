@@ -1,0 +1,244 @@
+"""Whole extents read with ``O_DIRECT`` by a few threads, each hashed as its bytes land.
+
+Requests are :func:`~dcp_plus.storage.ranged.plan_requests`' (small neighbours coalesced,
+runs cut at multiples of :data:`PIECE`, so a request starts where an extent or a multiple of
+``PIECE`` does: 4 KiB-aligned in dcp_plus files). A request that is one piece of one extent whose
+buffer lies 4 KiB-aligned in memory is read straight into the buffer (a last part under 4 KiB
+through one page of a bounce buffer); any other request is read, as the aligned span around
+it, into a bounce buffer and copied out. Each extent's bytes are hashed in file order as they
+land (:data:`HASH_STEP` at a time, right after each copy, while in the CPU cache): the
+checksum needs no second pass over the data.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from dcp_plus.format.checksum import Hasher, format_checksum, new_hasher
+from dcp_plus.storage.direct_read import (
+    DIRECT_ALIGN,
+    BouncePool,
+    address,
+    copy_bytes,
+    is_aligned,
+    is_refusal,
+    pread_upto,
+    set_direct,
+)
+from dcp_plus.storage.fanout import windowed
+from dcp_plus.storage.fileio import read_coalesced
+from dcp_plus.storage.ranged import RangeRequest, plan_requests
+
+PIECE = 16 << 20
+"""The longest request: 4 streams of 16 MiB reach the device's O_DIRECT read rate here."""
+HASH_STEP = 1 << 20
+GAP = 64 << 10
+"""Small extents at most this far apart are read by one request (the gap into the bounce
+buffer)."""
+OWN_REQUESTS = 1 << 20
+"""Extents this long or longer are never coalesced: their requests may go straight into an
+aligned destination."""
+BOUNCE_BYTES = PIECE + 2 * DIRECT_ALIGN  # a request's aligned span, unaligned ends rounded out
+
+Done = Callable[[int, "str | None"], None]
+"""``done(k, checksum)``: extent ``k`` is in; its content checksum, or None if not hashed."""
+
+
+class ExtentEOFError(EOFError):
+    """A data file ends before extent ``extent`` (an index into the extents read) does."""
+
+    def __init__(self, message: str, extent: int) -> None:
+        super().__init__(message)
+        self.extent = extent
+
+
+@dataclass
+class _Extent:
+    buf: memoryview
+    length: int
+    hasher: Hasher | None
+    pos: int = 0
+    ready: dict[int, int] = field(default_factory=dict)
+    """Landed ranges ``lo -> hi`` beyond ``pos`` (pieces that came in out of order)."""
+    busy: bool = False
+    """A thread is hashing this extent; ranges that land meanwhile are left to it."""
+
+
+class _Progress:
+    """Which bytes of each extent have landed: hashed in order, ``done`` once all are in."""
+
+    def __init__(self, done: Done, hashed: bool) -> None:
+        self._done = done
+        self._hashed = hashed
+        self._extents: dict[int, _Extent] = {}
+        self._lock = threading.Lock()
+
+    def buffer(self, k: int, length: int, open_extent: Callable[[int], memoryview]) -> memoryview:
+        """Extent ``k``'s buffer, opened on first use (one thread opens, in request order)."""
+        ext = self._extents.get(k)
+        if ext is None:
+            buf = open_extent(k)
+            ext = _Extent(buf, length, new_hasher() if self._hashed else None)
+            with self._lock:
+                self._extents[k] = ext
+        return ext.buf
+
+    def landed(self, k: int, lo: int, hi: int) -> None:
+        """Bytes ``[lo, hi)`` of extent ``k`` are in its buffer."""
+        with self._lock:
+            ext = self._extents[k]
+            ext.ready[lo] = hi
+            if ext.busy:
+                return
+            ext.busy = True
+        while True:
+            with self._lock:
+                start = ext.pos
+                end = ext.ready.pop(start, None)
+                if end is None:
+                    ext.busy = False
+                    return
+            if ext.hasher is not None:
+                ext.hasher.update(ext.buf[start:end])
+            with self._lock:
+                ext.pos = end
+                complete = end == ext.length
+                if complete:
+                    del self._extents[k]
+            if complete:
+                self._done(k, None if ext.hasher is None else format_checksum(ext.hasher))
+                return
+
+
+class DirectRead:
+    """One read of whole extents ``(file name, offset, length)`` through O_DIRECT descriptors
+    of ``open_file(name)``; on a file system that refuses O_DIRECT reads (EINVAL),
+    ``refused(name, error)`` is told and the request is read through the page cache."""
+
+    def __init__(self, open_file: Callable[[str], int], location: Callable[[str], str],
+                 bounce: BouncePool, refused: Callable[[str, OSError], None]) -> None:
+        self._open_file = open_file
+        self._location = location
+        self._bounce = bounce
+        self._refused = refused
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def run(self, extents: Sequence[tuple[str, int, int]],
+            open_extent: Callable[[int], memoryview], done: Done,
+            executor: Executor | None = None, *, streams: int = 1, hashed: bool = False) -> None:
+        """Read ``extents``: ``open_extent(k)`` just before the first request of ``k`` starts,
+        ``done(k, checksum)`` once its last byte is in (``checksum`` only when ``hashed``).
+        Requests run ``streams`` at a time on ``executor`` (on this thread without one).
+        The first failure stops the requests still to come and is raised
+        (:class:`ExtentEOFError` for a file that ends before an extent does). Empty extents
+        are neither opened nor done."""
+        requests = _plan(extents)
+        progress = _Progress(done, hashed)
+
+        def views(req: RangeRequest) -> list[memoryview | None]:
+            return [None if k < 0 else progress.buffer(k, extents[k][2], open_extent)[lo:hi]
+                    for k, lo, hi in req.pieces]
+        try:
+            if executor is None:
+                for req in requests:
+                    self._request(req, views(req), progress)
+                return
+            # a slot covers delivery too: buffers are bounded
+            windowed(requests, views, lambda req, bufs: self._request(req, bufs, progress),
+                     executor, streams)
+        finally:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                fd = self._fds[name] = self._open_file(name)
+            return fd
+
+    def _request(self, req: RangeRequest, views: list[memoryview | None],
+                 progress: _Progress) -> None:
+        fd = self._fd(req.name)
+        try:
+            self._read(fd, req, views, progress)
+        except OSError as e:
+            if not is_refusal(e):
+                raise
+            self._refused(req.name, e)
+            set_direct(fd, False)
+            starts = _starts(req)
+            read_coalesced(fd, self._location(req.name),
+                           [(s, v) for s, v in zip(starts, views, strict=True) if v is not None])
+            for k, lo, hi in req.pieces:
+                if k >= 0:
+                    progress.landed(k, lo, hi)
+
+    def _read(self, fd: int, req: RangeRequest, views: list[memoryview | None],
+              progress: _Progress) -> None:
+        start, end = req.start, req.start + req.length
+        first = views[0]
+        if (len(views) == 1 and first is not None and start % DIRECT_ALIGN == 0
+                and req.length >= DIRECT_ALIGN and is_aligned(first)):
+            k, lo, hi = req.pieces[0]
+            body = req.length - req.length % DIRECT_ALIGN
+            got = pread_upto(fd, first[:body], start)
+            if got < body:
+                raise self._eof(req, start + got)
+            if body < req.length:
+                with self._bounce.take() as (page, page_at):
+                    got = pread_upto(fd, page[:DIRECT_ALIGN], start + body)
+                    if got < req.length - body:
+                        raise self._eof(req, start + body + got)
+                    copy_bytes(address(first) + body, page_at, req.length - body)
+            progress.landed(k, lo, hi)
+            return
+        a = start - start % DIRECT_ALIGN
+        b = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+        with self._bounce.take() as (bounce, at):
+            got = pread_upto(fd, bounce[: b - a], a)
+            if got < end - a:
+                raise self._eof(req, a + got)
+            pos = at + start - a
+            for (k, lo, hi), view in zip(req.pieces, views, strict=True):
+                if view is not None and hi > lo:
+                    dst = address(view)
+                    for s in range(0, hi - lo, HASH_STEP):
+                        n = min(HASH_STEP, hi - lo - s)
+                        copy_bytes(dst + s, pos + s, n)
+                        progress.landed(k, lo + s, lo + s + n)
+                pos += hi - lo
+
+    def _eof(self, req: RangeRequest, at: int) -> ExtentEOFError:
+        """The error for ``req``'s file ending at byte ``at``, naming the extent cut there."""
+        cut = req.pieces[-1][0]
+        for (k, lo, hi), s in zip(req.pieces, _starts(req), strict=True):
+            if k >= 0 and s + hi - lo > at:
+                cut = k
+                break
+        return ExtentEOFError(f"{self._location(req.name)}: unexpected end of file at byte "
+                              f"{at}", cut)
+
+
+def _plan(extents: Sequence[tuple[str, int, int]]) -> list[RangeRequest]:
+    """The requests: small extents coalesced, long ones alone; per file, in file order."""
+    small = [(n, o, ln if ln < OWN_REQUESTS else 0) for n, o, ln in extents]
+    long = [(n, o, ln if ln >= OWN_REQUESTS else 0) for n, o, ln in extents]
+    files = {name: i for i, name in enumerate(dict.fromkeys(n for n, _, _ in extents))}
+    requests = plan_requests(small, GAP, PIECE) + plan_requests(long, -1, PIECE)
+    return sorted(requests, key=lambda r: (files[r.name], r.start))
+
+
+def _starts(req: RangeRequest) -> list[int]:
+    """The file offset of each of ``req``'s pieces."""
+    out, pos = [], req.start
+    for _, lo, hi in req.pieces:
+        out.append(pos)
+        pos += hi - lo
+    return out
