@@ -7,9 +7,6 @@ what the limits must then report instead of failing.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from dcp_plus.cli.bench.machine import fs_type
 from dcp_plus.cli.bench.measure import _Storage, measure_limits
 from dcp_plus.cli.bench.pagecache import cached_now, residency, resident_bytes
 from dcp_plus.cli.bench.report import DIRECT_ROWS, build, render
+from tests.conftest import mounted
 
 MiB = 1 << 20
 
@@ -41,17 +39,8 @@ def direct_dir(tmp_path: Path) -> Path:
 @pytest.fixture
 def ramfs():
     """A ramfs (``mount -t ramfs``): a real file system without O_DIRECT."""
-    path = Path(tempfile.mkdtemp(prefix="dcpp-ramfs-"))
-    r = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(path)], capture_output=True,
-                       text=True, check=False)
-    if r.returncode != 0:
-        path.rmdir()
-        pytest.skip(f"cannot mount a ramfs here: {r.stderr.strip()}")
-    try:
+    with mounted("ramfs", prefix="dcpp-ramfs-") as path:
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _pattern(n: int):

@@ -15,6 +15,8 @@ import mmap
 import os
 from dataclasses import dataclass
 
+from dcp_plus.cli.bench.machine import files_under
+
 PAGE = mmap.PAGESIZE
 
 
@@ -91,17 +93,6 @@ def cached_now() -> int:
             if line.startswith("Cached:"):
                 return int(line.split()[1]) * 1024
     raise OSError("/proc/meminfo has no Cached line")
-
-
-def files_under(paths: list[str]) -> list[str]:
-    """The files at ``paths`` and under those of them that are directories, sorted."""
-    out: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            out += [os.path.join(dp, n) for dp, _, names in os.walk(p) for n in names]
-        elif os.path.isfile(p):
-            out.append(p)
-    return sorted(out)
 
 
 def residency(paths: list[str], baseline: int | None = None) -> Residency:
