@@ -6,9 +6,10 @@
   (through the page cache) — for URLs, one object ``pipe`` through fsspec;
 - buffered cold read: ``dd`` of the written file from a cold page cache — for URLs, one
   object ``cat``;
-- O_DIRECT write and read (:func:`pwrite_files` with ``direct``, :func:`direct_read`): the same bytes with
-  the page cache bypassed, by 1, 2 or 4 streams (:data:`STREAMS`); the best of them is what
-  the device takes and gives (the write and read limits of a durable save / cold load).
+- O_DIRECT write and read (:func:`pwrite_files` with ``direct``, :func:`direct_read`): the
+  same bytes with the page cache bypassed, by 1, 2 or 4 streams (:data:`STREAMS`); the best
+  of them is what the device takes and gives (the write and read limits of a durable save /
+  cold load). :func:`direct_refusal` says where the file system refuses O_DIRECT.
 
 Shared by ``benchmarks/save_load.py``, ``benchmarks/staging.py``,
 ``benchmarks/compression.py`` and ``dcp-plus bench``.
