@@ -13,6 +13,9 @@ import collections
 import contextlib
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -278,6 +281,27 @@ def registered_slab(size: int) -> Iterator[Any]:
         except BufferError:  # a failing test's traceback still holds views
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join("/dev/shm", slab.name))
+
+
+# ---------------------------------------------------------------------------------------------
+# File systems
+
+@contextlib.contextmanager
+def mounted(fstype: str, *options: str, prefix: str = "dcpp-mnt-") -> Iterator[Path]:
+    """A fresh ``mount -t FSTYPE [-o OPTIONS]`` on a temporary directory (root only), removed
+    afterwards; skips the test where it cannot be mounted."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    opts = ["-o", ",".join(options)] if options else []
+    r = subprocess.run(["mount", "-t", fstype, *opts, fstype, str(path)],
+                       capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        path.rmdir()
+        pytest.skip(f"cannot mount a {fstype} here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from tests.conftest import (
     clone_state,
     flip_byte,
     load_target,
+    mounted,
     read_record_json,
     record_path,
 )
@@ -157,17 +157,8 @@ def test_the_guard_makes_the_snapshot_complete_before_the_update(tmp_path):
 @pytest.fixture
 def small_tmpfs():
     """An 8 MiB tmpfs (``mount -t tmpfs -o size=8m``): a real file system that fills up."""
-    path = Path(tempfile.mkdtemp(prefix="dcpp-full-"))
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)],
-                       capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        path.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted("tmpfs", "size=8m", prefix="dcpp-full-") as path:
         yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False)
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_full_disk_fails_the_handle_training_goes_on_older_checkpoints_stay(small_tmpfs):

@@ -2,17 +2,24 @@
 
 - memcpy: one ``copy_`` of the state's byte count into a pre-faulted shared-memory buffer
   (what staging costs at best);
-- durable write: the same bytes from warm memory, one ``pwrite`` stream + ``fsync``
-  (what a durable save costs at best) — for URLs, one object ``pipe`` through fsspec;
-- cold read: ``dd`` of the written file from a cold page cache (what a load costs at best) —
-  for URLs, one object ``cat``.
+- buffered durable write: the same bytes from warm memory, one ``pwrite`` stream + ``fsync``
+  (through the page cache) — for URLs, one object ``pipe`` through fsspec;
+- buffered cold read: ``dd`` of the written file from a cold page cache — for URLs, one
+  object ``cat``;
+- O_DIRECT write and read (:func:`pwrite_files` with ``direct``, :func:`direct_read`): the
+  same bytes with the page cache bypassed, by 1, 2 or 4 streams (:data:`STREAMS`); the best
+  of them is what the device takes and gives (the write and read limits of a durable save /
+  cold load). :func:`direct_refusal` says where the file system refuses O_DIRECT.
 
-Shared by ``benchmarks/save_load.py``, ``benchmarks/staging.py`` and ``dcp-plus bench``.
+Shared by ``benchmarks/save_load.py``, ``benchmarks/staging.py``,
+``benchmarks/compression.py`` and ``dcp-plus bench``.
 """
 
 from __future__ import annotations
 
+import errno
 import math
+import mmap
 import os
 import subprocess
 import time
@@ -21,19 +28,28 @@ from typing import Any
 
 import torch
 
+from dcp_plus.cli.bench.machine import fs_type
+from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
 
 CHUNK = 64 << 20
+BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
+STREAMS = (1, 2, 4)
+"""The stream counts of the O_DIRECT limits; the best of them is the limit."""
 
 
 class MemcpyLimit:
-    """One ``copy_`` of ``nbytes`` into a pre-faulted shared buffer (kept for re-measuring)."""
+    """One ``copy_`` of ``nbytes`` into a pre-faulted shared buffer (kept for re-measuring).
+
+    The slab is ``nbytes`` rounded up to 4 KiB: its buffer is also a :func:`direct_read`
+    destination for the files written from it.
+    """
 
     def __init__(self, nbytes: int) -> None:
         self.src = torch.empty(nbytes, dtype=torch.uint8)
         self.src.fill_(1)
-        self.slab = Slab(nbytes)
-        self.dst = self.slab.tensor()
+        self.slab = Slab(align_up(nbytes))
+        self.dst = self.slab.tensor()[:nbytes]
         self.dst.zero_()  # pre-fault
 
     def measure(self, repeats: int = 3) -> float:
@@ -49,24 +65,121 @@ class MemcpyLimit:
         self.slab.close()
 
 
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A page-aligned anonymous buffer of ``nbytes`` rounded up to 4 KiB, pre-faulted (warm
+    memory, like a live model's tensors): a destination for :func:`direct_read`."""
+    m = mmap.mmap(-1, max(align_up(nbytes), BLOCK))
+    zeros = bytes(min(len(m), CHUNK))
+    for at in range(0, len(m), len(zeros)):
+        m[at:at + len(zeros)] = zeros[:len(m) - at]
+    return m
+
+
+def direct_refusal(d: str) -> str | None:
+    """Why the file system holding directory ``d`` cannot serve as an O_DIRECT limit, or None.
+
+    Probes with one aligned 4 KiB block written and read back with ``O_DIRECT`` (tmpfs before
+    Linux 6.6, ramfs, some FUSE and network file systems refuse it with EINVAL at ``open`` or
+    at the first request). The answer reads ``O_DIRECT refused by <fs> (<error>)``.
+    """
+    path = os.path.join(d, f".dcpp-odirect-probe-{os.getpid()}")
+    block = mmap.mmap(-1, BLOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, block, 0)
+            os.preadv(fd, [block], 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        return f"O_DIRECT refused by {fs_type(d).split(' ')[0]} ({os.strerror(e.errno)})"
+    finally:
+        block.close()
+        if os.path.exists(path):
+            os.unlink(path)
+    return None
+
+
+def _in_streams(streams: int, fn: Any, args: list[Any]) -> None:
+    with ThreadPoolExecutor(streams) as ex:
+        for f in [ex.submit(fn, a) for a in args]:
+            f.result()
+
+
+def read_plan(sizes: list[int], streams: int,
+              chunk: int = CHUNK) -> list[list[tuple[int, int, int, int]]]:
+    """How ``streams`` threads read files of ``sizes`` into one buffer: per stream, a
+    contiguous run of ``(file index, file offset, buffer offset, length)`` requests of at most
+    ``chunk`` bytes, 4 KiB-aligned (the last of a file rounded up: O_DIRECT reads it short);
+    file ``k`` lands at the buffer offset of the aligned sizes before it. The runs are disjoint
+    and near-equal in bytes."""
+    reqs: list[tuple[int, int, int, int]] = []
+    base = 0
+    for k, n in enumerate(sizes):
+        reqs += [(k, off, base + off, min(chunk, align_up(n) - off)) for off in range(0, n, chunk)]
+        base += align_up(n)
+    total = sum(r[3] for r in reqs)
+    plan: list[list[tuple[int, int, int, int]]] = [[] for _ in range(streams)]
+    done = 0
+    for r in reqs:
+        plan[min(streams - 1, done * streams // max(total, 1))].append(r)
+        done += r[3]
+    return plan
+
+
+def direct_read(files: list[str], streams: int, into: memoryview) -> int:
+    """Read ``files`` with O_DIRECT by ``streams`` threads (:func:`read_plan`) into ``into``
+    (page-aligned, at least the files' 4 KiB-rounded sizes: an :func:`aligned_buffer`).
+    Returns the bytes read; raises if a file came back shorter than its size."""
+    sizes = [os.path.getsize(f) for f in files]
+    need = sum(align_up(n) for n in sizes)
+    if len(into) < need:
+        raise ValueError(f"direct_read: the buffer holds {len(into)} bytes, the files need "
+                         f"{need} (4 KiB-rounded)")
+    fds: list[int] = []
+    plan = read_plan(sizes, streams)
+    got = [[0] * len(files) for _ in plan]  # per stream: no shared counter between threads
+
+    def one(s: int) -> None:
+        for k, off, at, n in plan[s]:
+            got[s][k] += os.preadv(fds[k], [into[at:at + n]], off)
+
+    try:
+        for f in files:
+            fds.append(os.open(f, os.O_RDONLY | os.O_DIRECT))
+        _in_streams(streams, one, list(range(streams)))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for k, (f, n) in enumerate(zip(files, sizes, strict=True)):
+        if sum(g[k] for g in got) != n:
+            raise OSError(f"direct_read: {f}: read {sum(g[k] for g in got)} of {n} bytes")
+    return sum(sizes)
+
+
 def pwrite_files(buf: memoryview, nbytes: int, d: str, streams: int = 1,
                  direct: bool = False) -> list[str]:
-    """Write ``buf[:nbytes]`` into ``streams`` files ``d/pwrite{i}.bin`` + ``fsync`` each.
+    """Write ``buf[:nbytes]`` into ``streams`` files ``d/pwrite{i}.bin`` by as many threads
+    (stream ``i`` writes file ``i``: a disjoint 4 KiB-aligned slice of the bytes, in 64 MiB
+    requests), then ``fsync`` each; returns the files written.
 
-    ``direct``: O_DIRECT for the 4 KiB-aligned body of each file (the page cache is bypassed;
-    the sub-4 KiB tail goes through it), then fsync as usual. ``buf`` must be page-aligned
-    for ``direct``. Returns the files written.
+    ``direct``: the O_DIRECT write limit: the 4 KiB-aligned body of each file bypasses the page
+    cache; the sub-4 KiB tail of the last file goes through a buffered descriptor (one page).
+    ``buf`` must then be page-aligned (a slab, an :func:`aligned_buffer`). One file per stream:
+    ext4 serialises extending writes to one file, O_DIRECT ones included.
     """
-    per = nbytes // streams // 4096 * 4096
+    per = nbytes // streams // BLOCK * BLOCK
     bounds = [(i * per, (i + 1) * per if i < streams - 1 else nbytes) for i in range(streams)]
     paths = [os.path.join(d, f"pwrite{i}.bin") for i in range(streams)]
 
-    def one(i: int, lo: int, hi: int) -> None:
-        path = paths[i]
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        dfd = os.open(path, os.O_WRONLY | os.O_DIRECT) if direct else fd
+    def one(i: int) -> None:
+        lo, hi = bounds[i]
+        fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        dfd = os.open(paths[i], os.O_WRONLY | os.O_DIRECT) if direct else fd
         try:
-            body = lo + (hi - lo) // 4096 * 4096 if direct else hi
+            body = lo + (hi - lo) // BLOCK * BLOCK if direct else hi
             for start, end, f in ((lo, body, dfd), (body, hi, fd)):
                 done = start
                 while done < end:
@@ -77,16 +190,14 @@ def pwrite_files(buf: memoryview, nbytes: int, d: str, streams: int = 1,
                 os.close(dfd)
             os.close(fd)
 
-    with ThreadPoolExecutor(streams) as ex:
-        for f in [ex.submit(one, i, lo, hi) for i, (lo, hi) in enumerate(bounds)]:
-            f.result()
+    _in_streams(streams, one, list(range(streams)))
     return paths
 
 
-def dd_read(files: list[str], parallel: bool = False, direct: bool = False) -> None:
-    """``dd if=F of=/dev/null bs=64M`` over ``files``, one after another or all at once."""
-    flag = ["iflag=direct"] if direct else []
-    cmds = [["dd", f"if={f}", "of=/dev/null", "bs=64M", "status=none", *flag] for f in files]
+def dd_read(files: list[str], parallel: bool = False) -> None:
+    """``dd if=F of=/dev/null bs=64M`` over ``files``, one after another or all at once
+    (buffered: the page cache fills; :func:`direct_read` bypasses it)."""
+    cmds = [["dd", f"if={f}", "of=/dev/null", "bs=64M", "status=none"] for f in files]
     if parallel:
         procs = [subprocess.Popen(c) for c in cmds]
         for p in procs:

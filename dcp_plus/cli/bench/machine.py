@@ -145,19 +145,24 @@ def machine() -> dict[str, Any]:
             "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
 
 
+def files_under(paths: list[str]) -> list[str]:
+    """The files at ``paths`` and under those of them that are directories, sorted."""
+    out: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            out += [os.path.join(dp, n) for dp, _, names in os.walk(p) for n in names]
+        elif os.path.exists(p):
+            out.append(p)
+    return sorted(out)
+
+
 def evict_files(paths: list[str]) -> None:
     """Drop only these files (or every file under these directories) from the page cache.
 
     ``fsync`` then ``POSIX_FADV_DONTNEED`` per file: unlike :func:`drop_caches` it neither
     syncs nor evicts what other processes on the machine are using.
     """
-    files: list[str] = []
-    for p in paths:
-        if os.path.isdir(p):
-            files += [os.path.join(dp, n) for dp, _, names in os.walk(p) for n in names]
-        elif os.path.exists(p):
-            files.append(p)
-    for f in files:
+    for f in files_under(paths):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -17,7 +17,16 @@ import torch.distributed as dist
 
 from dcp_plus.cli.bench.cases import Case, build_cases
 from dcp_plus.cli.bench.config import BenchConfig
-from dcp_plus.cli.bench.limits import MemcpyLimit, dd_read, pwrite_files, url_read, url_write
+from dcp_plus.cli.bench.limits import (
+    STREAMS,
+    MemcpyLimit,
+    dd_read,
+    direct_read,
+    direct_refusal,
+    pwrite_files,
+    url_read,
+    url_write,
+)
 from dcp_plus.cli.bench.machine import (
     ForeignCpu,
     PeakMemory,
@@ -34,6 +43,7 @@ from dcp_plus.cli.bench.models import (
     state_dict_nbytes,
     states_equal,
 )
+from dcp_plus.cli.bench.pagecache import cached_now, residency
 
 
 class _Storage:
@@ -42,6 +52,7 @@ class _Storage:
     def __init__(self, cfg: BenchConfig, root: str) -> None:
         self.cfg, self.root = cfg, root
         self.fs: Any = None
+        self.cache_method: str | None = None  # how the last cache_fraction counted
         if cfg.is_url:
             import fsspec
 
@@ -57,6 +68,18 @@ class _Storage:
         else:
             shutil.rmtree(path, ignore_errors=True)
 
+    def cache_baseline(self) -> int | None:
+        """``Cached`` now, for :meth:`cache_fraction`'s fallback (None for object stores)."""
+        return None if self.fs is not None else cached_now()
+
+    def cache_fraction(self, path: str, baseline: int | None) -> float | None:
+        """The share of checkpoint ``path``'s bytes in the page cache (None for URLs)."""
+        if self.fs is not None:
+            return None
+        r = residency([path], baseline)
+        self.cache_method = r.method
+        return r.fraction
+
     def make_cold(self, paths: list[str]) -> str:
         if self.fs is not None:
             return "none (object store)"
@@ -71,8 +94,47 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
+def _local_limits(store: _Storage, buf: memoryview, nbytes: int, d: str,
+                  world: int) -> dict[str, Any]:
+    """Buffered pwrite + fsync and ``dd`` cold read; then, unless the file system refuses it,
+    O_DIRECT writes with each of :data:`STREAMS` streams and O_DIRECT cold reads of the
+    widest set of files (written with O_DIRECT: not in the page cache) with each of them,
+    into ``buf`` (the 4 KiB-rounded slab the bytes came from)."""
+    out: dict[str, Any] = {}
+    os.makedirs(os.path.join(d, "buffered"))
+    t = time.perf_counter()
+    files = pwrite_files(buf, nbytes, os.path.join(d, "buffered"))
+    out["write_s"] = time.perf_counter() - t
+    store.make_cold(files)
+    _barrier(world)
+    t = time.perf_counter()
+    dd_read(files)
+    out["read_s"] = time.perf_counter() - t
+    store.remove(os.path.join(d, "buffered"))
+    out["direct_refused"] = refused = direct_refusal(d)
+    if refused is not None:
+        return out
+    for k in STREAMS:
+        sub = os.path.join(d, f"direct{k}")
+        os.makedirs(sub)
+        _barrier(world)
+        t = time.perf_counter()
+        files = pwrite_files(buf, nbytes, sub, k, direct=True)
+        out[f"direct{k}_write_s"] = time.perf_counter() - t
+        if k != max(STREAMS):
+            store.remove(sub)
+    for k in STREAMS:
+        store.make_cold(files)
+        _barrier(world)
+        t = time.perf_counter()
+        direct_read(files, k, buf)
+        out[f"direct{k}_read_s"] = time.perf_counter() - t
+    return out
+
+
 def measure_limits(store: _Storage, nbytes: int, rank: int, world: int) -> dict[str, Any]:
-    """memcpy into a pre-faulted shm buffer, durable write, cold read of this rank's bytes."""
+    """memcpy into a pre-faulted shm buffer; durable write and cold read of this rank's
+    bytes, buffered and (local paths) with O_DIRECT by 1, 2 and 4 streams."""
     lim = MemcpyLimit(nbytes)
     try:
         _barrier(world)
@@ -82,7 +144,7 @@ def measure_limits(store: _Storage, nbytes: int, rank: int, world: int) -> dict[
         try:
             _barrier(world)
             if store.fs is not None:
-                data = bytes(buf)
+                data = bytes(buf[:nbytes])
                 t = time.perf_counter()
                 url_write(store.fs, d + ".bin", data)
                 write_s = time.perf_counter() - t
@@ -92,22 +154,15 @@ def measure_limits(store: _Storage, nbytes: int, rank: int, world: int) -> dict[
                 url_read(store.fs, d + ".bin")
                 read_s = time.perf_counter() - t
                 store.remove(d + ".bin")
+                res: dict[str, Any] = {"write_s": write_s, "read_s": read_s}
             else:
-                os.makedirs(d)
-                t = time.perf_counter()
-                files = pwrite_files(buf, nbytes, d)
-                write_s = time.perf_counter() - t
-                store.make_cold(files)
-                _barrier(world)
-                t = time.perf_counter()
-                dd_read(files)
-                read_s = time.perf_counter() - t
+                res = _local_limits(store, buf, nbytes, d, world)
                 store.remove(d)
         finally:
             buf.release()
     finally:
         lim.close()
-    return {"memcpy_s": memcpy_s, "write_s": write_s, "read_s": read_s}
+    return {"memcpy_s": memcpy_s, **res}
 
 
 def run_case(case: Case, store: _Storage, state: dict[str, Any], dest: dict[str, Any],
@@ -122,8 +177,10 @@ def run_case(case: Case, store: _Storage, state: dict[str, Any], dest: dict[str,
         for i in range(saves):
             prev, path = path, store.path(slug, f"save{i}")
             _barrier(world)
-            timings.append(asdict(case.save(state, path)))
+            base = store.cache_baseline()
+            timing = asdict(case.save(state, path))
             _barrier(world)
+            timings.append({**timing, "cache_after_save": store.cache_fraction(path, base)})
             if prev and rank == 0:
                 store.remove(prev)
             tick()
@@ -131,9 +188,11 @@ def run_case(case: Case, store: _Storage, state: dict[str, Any], dest: dict[str,
         for _, t in iter_tensors(dest):
             t.zero_()
         _barrier(world)
+        base = store.cache_baseline()
         t0 = time.perf_counter()
         case.load(dest, path)
         load_s = time.perf_counter() - t0
+        cache_after_load = store.cache_fraction(path, base)
         tick()
     if not states_equal(dest, state):
         raise AssertionError(f"{case.name}: the loaded state differs from the saved one "
@@ -141,7 +200,8 @@ def run_case(case: Case, store: _Storage, state: dict[str, Any], dest: dict[str,
     _barrier(world)
     if rank == 0:
         store.remove(store.path(slug))
-    return {"saves": timings, "load_s": load_s, "peak_extra_bytes": mem.extra,
+    return {"saves": timings, "load_s": load_s, "cache_after_load": cache_after_load,
+            "cache_method": store.cache_method, "peak_extra_bytes": mem.extra,
             "load1": round(l1, 2), "foreign_cores": fc.cores, "cold": cold,
             "wall_s": round(time.perf_counter() - started, 2)}
 
@@ -201,21 +261,29 @@ def measure(cfg: BenchConfig, rank: int = 0, world: int = 1,
     return out
 
 
+def _most(values: list[Any]) -> Any:
+    """The largest of the ranks' figures; a None or a text (no figure, a reason) stays."""
+    if any(v is None or isinstance(v, str) for v in values):
+        return values[0]
+    return max(values)
+
+
 def merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """One figure per case: the slowest rank's times, the sum of the ranks' bytes/memory."""
+    """One figure per case: the slowest rank's times (and the largest page-cache share), the
+    sum of the ranks' bytes/memory."""
     first = per_rank[0]
     out = dict(first)
     out["nbytes"] = sum(r["nbytes"] for r in per_rank)
-    out["limits"] = {k: max(r["limits"][k] for r in per_rank) for k in first["limits"]}
+    out["limits"] = {k: _most([r["limits"].get(k) for r in per_rank]) for k in first["limits"]}
     out["cases"] = {}
     for name in first["cases"]:
         rows = [r["cases"][name] for r in per_rank]
-        saves = [{k: max(r["saves"][i][k] for r in rows) for k in rows[0]["saves"][i]}
+        saves = [{k: _most([r["saves"][i][k] for r in rows]) for k in rows[0]["saves"][i]}
                  for i in range(len(rows[0]["saves"]))]
         out["cases"][name] = {**rows[0], "saves": saves,
                               "load_s": max(r["load_s"] for r in rows),
+                              "cache_after_load": _most([r.get("cache_after_load")
+                                                         for r in rows]),
                               "peak_extra_bytes": sum(r["peak_extra_bytes"] for r in rows)}
     out["ranks"] = len(per_rank)
     return out
-
-
