@@ -3,6 +3,7 @@ without a training job, under the root's lease (so never beside a live writer)."
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,20 +14,29 @@ from dcp_plus.manager.retention import to_remove
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.manager.storage import Backend, backend_for
 
+log = logging.getLogger(__name__)
+
 
 def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
             keep_last: int | None = None, keep_every: int | None = None,
             dry_run: bool = False) -> dict[str, Any]:
     """What gc removes (or, with ``dry_run``, would remove) under ``root``: uncommitted step
     folders, and the committed steps retention drops (``keep_last`` newest and multiples of
-    ``keep_every`` kept; the newest committed step always). JSON-ready."""
+    ``keep_every`` kept, counting only checkpoints whose record validates; the newest of
+    those always). Damaged checkpoints are listed and kept. JSON-ready."""
     if keep_last is not None and keep_last < 1:
         raise DcpPlusError(f"--keep-last {keep_last}: keep at least 1 checkpoint (gc never "
                            "removes the newest committed one)")
     if keep_every is not None and keep_every < 1:
         raise DcpPlusError(f"--keep-every {keep_every}: expected a step multiple >= 1")
+    if keep_every is not None and keep_last is None:
+        raise DcpPlusError("--keep-every only adds to what --keep-last keeps: without "
+                           "--keep-last every committed checkpoint is kept anyway")
     check_root(root)
     backend, location = backend_for(root, storage_options)
+    if not backend.listdir(location):  # nothing there: no lease left behind in a typo'd prefix
+        return {"root": root, "dry_run": dry_run, "held_by": None, "remove": [], "keep": [],
+                "newest_loadable": None, "freed_bytes": 0, "failed": []}
     lease = RootLease(backend.lease_store(backend.join(location, LEASE_DIR)))
     holder = lease.current()
     if holder is not None and (holder[1] or holder[0] is None):
@@ -48,15 +58,18 @@ def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
 def _plan(root: str, storage_options: Mapping[str, Any] | None, keep_last: int | None,
           keep_every: int | None, *, holder: str | None) -> dict[str, Any]:
     rows = [r for r in list_root(root, storage_options)["checkpoints"] if r["step"] is not None]
-    dropped = set(to_remove([r["step"] for r in rows if r["committed"]], keep_last, keep_every))
+    # retention counts only checkpoints whose record validates: a damaged newest one must not
+    # push the loadable ones out (resume skips it and falls back to them); damaged ones stay
+    loadable = [r["step"] for r in rows if r["committed"] and not r["problem"]]
+    dropped = set(to_remove(loadable, keep_last, keep_every))
     remove: list[dict[str, Any]] = []
     keep: list[dict[str, Any]] = []
     for r in rows:
         why = ("uncommitted" if not r["committed"] else
-               "retention" if r["step"] in dropped else None)
+               "retention" if r["step"] in dropped and not r["problem"] else None)
         (remove if why else keep).append({**r, "why": why})
     return {"root": root, "dry_run": True, "held_by": holder, "remove": remove, "keep": keep,
-            "freed_bytes": _bytes(remove)}
+            "newest_loadable": max(loadable, default=None), "freed_bytes": _bytes(remove)}
 
 
 def _bytes(rows: list[dict[str, Any]]) -> int:
@@ -65,13 +78,25 @@ def _bytes(rows: list[dict[str, Any]]) -> int:
 
 def _apply(root: str, storage_options: Mapping[str, Any] | None, backend: Backend,
            location: str, keep_last: int | None, keep_every: int | None) -> dict[str, Any]:
+    """Carry out :func:`_plan` (under the lease): a retained checkpoint loses its record
+    first, so an interrupted gc never leaves a partial folder that looks committed."""
     planned = _plan(root, storage_options, keep_last, keep_every, holder=None)
+    removed: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for r in planned["remove"]:
+        try:
+            if r["why"] == "retention":
+                backend.uncommit(r["path"])
+            elif backend.is_committed(r["path"]):  # committed since it was listed: keep it
+                continue
+            backend.remove_tree(r["path"])
+            removed.append(r)
+        except OSError as e:
+            log.warning("gc could not remove %s: %s", r["path"], e)
+            failed.append({**r, "error": str(e)})
     croot = CheckpointRoot(backend, location)
-    gone = set(croot.clean_uncommitted())
-    retained_out = set(croot.retain(keep_last, keep_every, lambda step: None))
-    croot.repair_pointer()
-    removed = [r for r in planned["remove"]
-               if r["path"] in gone or r["step"] in retained_out]
-    failed = [r for r in planned["remove"] if r not in removed]
+    newest = planned["newest_loadable"]
+    if newest is not None and croot.latest_step() != newest:
+        croot.write_pointer(newest)  # never at a damaged checkpoint
     return {**planned, "dry_run": False, "remove": removed, "failed": failed,
             "freed_bytes": _bytes(removed)}

@@ -9,15 +9,17 @@ from typing import Any
 from dcp_plus.errors import CheckpointNotFoundError, DcpPlusError
 from dcp_plus.manager.naming import parse_step
 from dcp_plus.manager.root import CheckpointRoot
-from dcp_plus.manager.storage import backend_for
+from dcp_plus.manager.storage import backend_for, split_root
 from dcp_plus.readers.base import ExtentReader
-from dcp_plus.storage.urls import is_url
 
 
 def check_root(root: str) -> None:
-    """Refuse a local ``root`` that is missing or a file (a typo is not an empty root)."""
-    if not is_url(root) and not os.path.isdir(root):
-        what = "is a file, expected a directory" if os.path.exists(root) else "does not exist"
+    """Refuse a local ``root`` (a path or ``file://``) that is missing or a file: a typo is
+    not an empty root."""
+    scheme, location = split_root(root)
+    if scheme in ("", "file") and not os.path.isdir(location):
+        what = ("is a file, expected a directory" if os.path.exists(location)
+                else "does not exist")
         raise DcpPlusError(f"{root} {what}")
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 from dcp_plus.errors import InvalidOptionError
 
+_CREDENTIAL = re.compile(r"key|secret|token|password|session", re.IGNORECASE)
+
 
 def add_storage_option(p: argparse.ArgumentParser) -> None:
     """Add the repeatable ``--storage-option KEY=VALUE`` to ``p``."""
@@ -20,7 +22,8 @@ def add_storage_option(p: argparse.ArgumentParser) -> None:
 
 def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
     """``KEY=VALUE`` pairs as a dict; a value that parses as JSON (numbers, ``true``,
-    objects) is taken as such, any other stays a string.
+    objects) is taken as such, any other stays a string, and so do credentials (keys naming
+    a key, secret, token, password or session).
 
     Raises:
         InvalidOptionError: a pair without ``=`` or key.
@@ -30,6 +33,9 @@ def parse_storage_options(pairs: list[str]) -> dict[str, Any]:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise InvalidOptionError(f"--storage-option {pair!r}: expected KEY=VALUE")
+        if _CREDENTIAL.search(key):  # a secret that looks like 1234 or true stays a string
+            out[key] = value
+            continue
         try:
             out[key] = json.loads(value)
         except ValueError:

@@ -40,7 +40,7 @@ def stored_length(read_at: Callable[[int, int], bytes]) -> int | None:
     table = read_at(_HEAD.size, 4 * n)
     if len(table) < 4 * n:
         return None
-    return _HEAD.size + 4 * n + sum(struct.unpack(f"<{n}I", table))
+    return _HEAD.size + 4 * n + int(np.frombuffer(table, dtype="<u4").sum(dtype=np.uint64))
 
 
 class Codec(Protocol):

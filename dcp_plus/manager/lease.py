@@ -118,14 +118,17 @@ class Holder:
     boot_id: str | None = None
     pid_ns: str | None = None
     pid_start: int | None = None
+    timeout_s: float | None = None
+    """The holder's own lease timeout: another process never judges it dead sooner."""
 
     @classmethod
-    def this_process(cls, generation: int) -> Holder:
+    def this_process(cls, generation: int, timeout_s: float | None = None) -> Holder:
         return cls(generation=generation, holder_id=uuid.uuid4().hex, host=socket.gethostname(),
                    pid=os.getpid(), started=time.time(),
                    command=" ".join(sys.argv)[:200] or sys.executable,
                    boot_id=_read_text("/proc/sys/kernel/random/boot_id"),
-                   pid_ns=_pid_namespace(), pid_start=_proc_start(os.getpid()))
+                   pid_ns=_pid_namespace(), pid_start=_proc_start(os.getpid()),
+                   timeout_s=timeout_s)
 
     def encode(self) -> bytes:
         return json.dumps({"format": LEASE_FORMAT, **asdict(self)}).encode()
@@ -142,7 +145,8 @@ class Holder:
         except (ValueError, TypeError):
             return None
         ok = (isinstance(holder.generation, int) and isinstance(holder.pid, int)
-              and isinstance(holder.host, str) and isinstance(holder.started, (int, float)))
+              and isinstance(holder.host, str) and isinstance(holder.started, (int, float))
+              and (holder.timeout_s is None or isinstance(holder.timeout_s, (int, float))))
         return holder if ok else None
 
     def on_this_host(self) -> bool:
@@ -199,7 +203,7 @@ class RootLease:
             top = max(self._generations(), default=0)
             if top and self.store.read(gen_name(top) + ".released") is None:
                 self._may_take(top, takeover)
-            mine = Holder.this_process(top + 1)
+            mine = Holder.this_process(top + 1, self.timeout_s)
             if not self.store.create(gen_name(mine.generation), mine.encode()):
                 continue
             if max(self._generations(), default=0) > mine.generation:
@@ -267,11 +271,12 @@ class RootLease:
             return True, f"pid {holder.pid} is running on this host"
         beat = self._last_heartbeat(holder)
         age = self.clock() - beat
-        if age > self.timeout_s:
+        timeout = max(self.timeout_s, holder.timeout_s or 0.0)  # the holder's, if longer
+        if age > timeout:
             return False, (f"its last heartbeat is {age:.0f} s old, beyond the lease timeout "
-                           f"of {self.timeout_s:.0f} s")
+                           f"of {timeout:.0f} s")
         return True, (f"its last heartbeat is {age:.1f} s old; should it be dead, the lease "
-                      f"expires {self.timeout_s - age:.0f} s from now")
+                      f"expires {timeout - age:.0f} s from now")
 
     def _last_heartbeat(self, holder: Holder) -> float:
         data = self.store.read(gen_name(holder.generation) + ".hb")

@@ -102,18 +102,15 @@ class CheckpointRoot:
             log.warning("could not remove the failed checkpoint %s: %s", path, e)
 
     def retain(self, keep_last: int | None, keep_every: int | None,
-               uncommitted: Callable[[int], None]) -> list[int]:
+               uncommitted: Callable[[int], None]) -> None:
         """Delete what retention drops: commit record first (``uncommitted(step)`` is
-        called then), then the folder. Returns the steps whose record it removed."""
-        removed = []
+        called then), then the folder."""
         for step in to_remove(self.committed(), keep_last, keep_every):
             path = self.path(step)
             try:
                 self.backend.uncommit(path)
-                removed.append(step)
                 uncommitted(step)
                 self.backend.remove_tree(path)
                 log.info("retention removed checkpoint step %d (%s)", step, path)
             except OSError as e:
                 log.warning("retention could not remove %s: %s", path, e)
-        return removed

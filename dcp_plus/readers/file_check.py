@@ -175,7 +175,10 @@ def check_file(store: ObjectStore, name: str, entries: list[Entry],
             plan.append((pos, min(ext.offset, size), GAP))
         end = ext.offset + ext.length
         if ext.length and end > size:
-            true = _edited_length(store, name, index, ext, dtypes.get(index.fqn), size)
+            try:
+                true = _edited_length(store, name, index, ext, dtypes.get(index.fqn), size)
+            except (OSError, EOFError, CheckpointFormatError):
+                true = None
             if true is None:
                 state.past_end.append(_span(index, ext))
             else:
@@ -188,7 +191,10 @@ def check_file(store: ObjectStore, name: str, entries: list[Entry],
     if size > pos:
         plan.append((pos, size, TAIL))
     plan = [p for p in plan if p[1] > p[0] or p[2] >= 0]
-    _scan(store, name, entries, plan, dtypes, size, state, report, progress)
+    try:
+        _scan(store, name, entries, plan, dtypes, size, state, report, progress)
+    except (OSError, CheckpointFormatError) as e:  # a bad sector, a store that gave up
+        state.other.append(f"could not be read to the end ({e})")
     if state.record_lengths:
         report.problems.append(f"{RECORD_NAME}: {'; '.join(state.record_lengths)}: the record "
                                "was edited, the data is intact")

@@ -104,6 +104,8 @@ def test_sizes_parse_binary_and_decimal_units(text, expected):
 def test_storage_options_pass_through_with_bools_and_ints():
     assert parse_storage_options(["endpoint_url=http://h:1", "anon=true", "max_pool=8"]) == {
         "endpoint_url": "http://h:1", "anon": True, "max_pool": 8}
+    assert parse_storage_options(["key=1234", "secret=true", "token=null"]) == {
+        "key": "1234", "secret": "true", "token": "null"}  # credentials stay strings
     with pytest.raises(ValueError, match="expected KEY=VALUE"):
         parse_storage_options(["novalue"])
 

@@ -210,6 +210,8 @@ def test_an_existing_destination_is_refused_and_kept(ours, tmp_path):
 
     empty = tmp_path / "empty"  # an empty directory is filled
     empty.mkdir()
+    torch_into_dir = run("convert", str(ours), str(empty), "--to", "torch")
+    assert torch_into_dir.returncode == 2 and "writes one file" in torch_into_dir.stderr
     assert run("convert", str(ours), str(empty)).returncode == 0
     assert (empty / ".metadata").is_file()
 

@@ -80,9 +80,26 @@ def test_keep_last_one_never_removes_the_newest_committed(root: Path) -> None:
         assert mgr.latest_step() == 3  # the pointer was repaired
 
 
+def test_a_damaged_newest_record_never_pushes_the_loadable_checkpoints_out(root: Path) -> None:
+    (root / "step_00000004" / ".metadata").write_bytes(b"{garbage")
+    proc = run("gc", str(root), "--keep-last", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(proc.stdout)
+    # retention counts only loadable checkpoints: 3 is the newest, the damaged 4 stays
+    assert steps(root) == ["step_00000003", "step_00000004"]
+    assert {r["name"] for r in res["remove"]} == {"step_00000001", "step_00000002",
+                                                  "step_00000005"}
+    with CheckpointManager(str(root), read_only=True) as mgr:
+        assert mgr.latest_step() == 3  # the pointer names a loadable checkpoint
+        out = {"w": torch.zeros(256)}
+        assert mgr.load_latest(out) == 3
+    assert_bit_exact(out, state(3))
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--keep-last", "0"], "keep at least 1"),
     (["--keep-every", "-3"], "--keep-every -3"),
+    (["--keep-every", "10"], "only adds to what --keep-last keeps"),
 ])
 def test_bad_retention_values_are_refused(root: Path, argv: list[str], needle: str) -> None:
     proc = run("gc", str(root), *argv)

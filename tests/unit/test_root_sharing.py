@@ -117,6 +117,23 @@ def test_holder_on_another_host_is_dead_only_once_its_heartbeat_expired(tmp_path
     assert gen_name(2) + ".released" in store.list()
 
 
+def test_a_holder_is_judged_by_its_own_longer_lease_timeout(tmp_path):
+    # a job with lease_timeout=600 heartbeats every 100 s: a taker with the default 30 s
+    # (dcp-plus gc, another manager) must not call it dead after 31 s of silence
+    store = FileLeaseStore(str(tmp_path / LEASE_DIR))
+    now = 1_000_000.0
+    patient = Holder(generation=1, holder_id="x", host="other-node", pid=4242, started=now,
+                     command="train.py", boot_id="b", pid_ns="n", pid_start=1, timeout_s=600.0)
+    assert store.create(gen_name(1), patient.encode())
+    store.write(gen_name(1) + ".hb", json.dumps({"time": now}).encode())
+    with pytest.raises(LeaseHeldError, match="expires 540 s from now"):
+        RootLease(store, timeout_s=30, clock=lambda: now + 60).acquire(takeover=True)
+    late = RootLease(store, timeout_s=30, clock=lambda: now + 601)
+    late.acquire(takeover=True)
+    late.release()
+    assert Holder.decode(patient.encode()) == patient  # the timeout is in the record
+
+
 # ---------------------------------------------------------------------------------------------
 # Readers
 

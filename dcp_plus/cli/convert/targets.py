@@ -51,6 +51,9 @@ def check_destination(dst: str, target: str, storage_options: Mapping[str, Any])
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise DcpPlusError(f"{dst}: its parent directory {parent} does not exist")
+    if os.path.isdir(dst) and target == "torch":  # its result is one file
+        raise DcpPlusError(f"{dst} is a directory, but --to torch writes one file: name the "
+                           "file, e.g. {dst}/model.pt".replace("{dst}", dst.rstrip("/")))
     if os.path.isdir(dst) and not os.listdir(dst):
         return
     if os.path.isfile(dst) and not os.path.islink(dst) and os.path.getsize(dst) == 0:

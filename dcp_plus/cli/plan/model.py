@@ -156,7 +156,8 @@ def _mode(*, blocking_s: float, durable_after_s: float, recovery_s: float,
     goodput = expected_goodput(compute_s=t, blocking_s=blocking_s,
                                recoverable_after_s=durable_after_s, recovery_s=recovery_s,
                                mtbf_s=mtbf)
-    lost = min(1.0, max(0.0, 1 - goodput / (1 - overhead)))
+    # 1 - overhead rounds to 0 when checkpoints dwarf the compute: then nothing is left to lose
+    lost = min(1.0, max(0.0, 1 - goodput / (1 - overhead))) if overhead < 1 else 0.0
     return ModePlan(blocking_s=blocking_s, durable_after_s=durable_after_s,
                     recovery_s=recovery_s, interval_steps=steps, overhead_fraction=overhead,
                     lost_fraction=lost, goodput=min(1.0, max(0.0, goodput)))
