@@ -58,7 +58,7 @@ class SaveHandle:
                          persist_s=max(0.0, done_at - staged_at), ok=ok)
 
 
-def _causes(exc: BaseException) -> list[tuple[int | None, BaseException]]:
+def rank_causes(exc: BaseException) -> list[tuple[int | None, BaseException]]:
     """(rank, exception) pairs inside DCP's ``CheckpointException`` (or the exception)."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -74,7 +74,7 @@ def save_error(step: int, path: str, exc: BaseException, what: str) -> Checkpoin
     """A ``CheckpointSaveError`` naming step, path, failing rank(s), cause and the fix."""
     parts = []
     hints: list[str] = []
-    for rank, cause in _causes(exc):
+    for rank, cause in rank_causes(exc):
         text = f"{type(cause).__name__}: {cause}".strip()
         parts.append(text if rank is None else f"rank {rank}: {text}")
         code = getattr(cause, "errno", None)
@@ -102,5 +102,5 @@ def _detached(exc: BaseException) -> BaseException:
         seen.add(id(e))
         e.__traceback__ = None
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-        todo.extend(inner for _, inner in _causes(e) if inner is not e)
+        todo.extend(inner for _, inner in rank_causes(e) if inner is not e)
     return exc

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from dcp_plus.errors import DcpPlusError, UnsafeCheckpointError
 from dcp_plus.manager.control import quiet_if_alone
+from dcp_plus.manager.handle import rank_causes
 from dcp_plus.manager.storage import backend_for
 from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers.locate import reader_for
@@ -132,8 +133,5 @@ def load_all(source: Source, names: Collection[str], progress: Progress) -> dict
 
 def first_cause(exc: CheckpointException) -> BaseException:
     """The exception a rank raised inside DCP's ``CheckpointException``."""
-    for wrapped in exc.failures.values():
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        if isinstance(inner, BaseException):
-            return inner
-    return DcpPlusError(str(exc).splitlines()[-1])
+    cause = rank_causes(exc)[0][1]
+    return cause if cause is not exc else DcpPlusError(str(exc).splitlines()[-1])
