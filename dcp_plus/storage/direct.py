@@ -7,7 +7,6 @@
 - :class:`DirectFile`: one file written through an ``O_DIRECT`` descriptor where buffer and
   offset allow it and through the page cache otherwise (the < 4 KiB tails, refusing file
   systems), then fsynced and dropped from the page cache.
-- :func:`in_streams`: a few tasks run on parallel threads (concurrent write streams).
 - :func:`resident_pages`: how much of a file the page cache holds (``mincore``).
 """
 
@@ -21,7 +20,7 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 from dcp_plus.storage.fileio import pwrite_all
@@ -292,43 +291,6 @@ def preallocate(fd: int, size: int, path: str) -> None:
         err = ctypes.get_errno()
         if err not in _NO_FALLOCATE:
             raise OSError(err, f"fallocate of {size} bytes failed: {os.strerror(err)}", path)
-
-
-def in_streams(streams: int, tasks: Sequence[Callable[[], None]]) -> None:
-    """Run ``tasks`` on up to ``streams`` threads (the caller's among them), each thread
-    taking the next task; after the first error no new task starts and it is raised once
-    every thread has stopped."""
-    n = min(streams, len(tasks))
-    if n <= 1:
-        for task in tasks:
-            task()
-        return
-    lock = threading.Lock()
-    todo = iter(tasks)
-    errors: list[BaseException] = []
-
-    def loop() -> None:
-        while True:
-            with lock:
-                task = None if errors else next(todo, None)
-            if task is None:
-                return
-            try:
-                task()
-            except BaseException as e:  # noqa: BLE001 (re-raised on the caller's thread)
-                with lock:
-                    errors.append(e)
-                return
-
-    threads = [threading.Thread(target=loop, name=f"dcpp-stream-{i}", daemon=True)
-               for i in range(n - 1)]
-    for t in threads:
-        t.start()
-    loop()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
 
 
 # -- page-cache residency --------------------------------------------------------------------

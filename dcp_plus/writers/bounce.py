@@ -13,7 +13,8 @@ import os
 from collections.abc import Callable
 from functools import partial
 
-from dcp_plus.storage.direct import BOUNCE_BYTES, DirectFile, bounce_pool, in_streams
+from dcp_plus.storage.direct import BOUNCE_BYTES, DirectFile, bounce_pool
+from dcp_plus.storage.fanout import in_streams
 from dcp_plus.storage.ranged import Segments
 
 _ZEROS = memoryview(bytes(BOUNCE_BYTES))

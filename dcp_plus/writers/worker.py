@@ -22,7 +22,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.storage.direct import ALIGN, DirectFile, in_streams
+from dcp_plus.storage.direct import ALIGN, DirectFile
+from dcp_plus.storage.fanout import in_streams
 
 SHM_DIR = "/dev/shm"
 # Only alignment padding (< 4 KiB, zeros in a stager slab) is written between extents: a
