@@ -34,6 +34,7 @@ from dcp_plus.writers import shutdown_pool
 log = logging.getLogger(__name__)
 
 _CODECS = ("identity", "zstd", "zstd+shuffle")
+_DIRECT_IO: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
 @dataclass(slots=True)
@@ -114,6 +115,14 @@ class DcpPlusCheckpointManager(CheckpointManager):
         fsync: bool = True
         """LocalWriter: fsync data files and directories."""
 
+        writer_direct_io: Literal["auto", "on", "off"] = "auto"
+        """LocalWriter: ``O_DIRECT`` data files, no checkpoint bytes left in the page cache
+        (``auto``: where the file system takes it, logged once where not; ``on``: the same,
+        the fallback a warning; ``off``: buffered writes)."""
+
+        writer_streams: int = 2
+        """LocalWriter: ``O_DIRECT`` writes in flight per rank."""
+
         compression: Literal["identity", "zstd", "zstd+shuffle"] = "identity"
         """Codec for every tensor."""
 
@@ -178,7 +187,8 @@ class DcpPlusCheckpointManager(CheckpointManager):
         self._writer_options: dict[type, Any] = {
             LocalWriterOptions: LocalWriterOptions(
                 workers=config.writer_workers, threads=config.writer_threads,
-                fsync=config.fsync, codec=config.compression),
+                fsync=config.fsync, codec=config.compression,
+                direct_io=_DIRECT_IO[config.writer_direct_io], streams=config.writer_streams),
             ObjectStoreWriterOptions: ObjectStoreWriterOptions(codec=config.compression)}
         if is_url(self.folder) and config.storage_options:
             log.warning("dcp_plus: checkpoint.storage_options reach dcp_plus's writer and "

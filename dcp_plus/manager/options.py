@@ -71,6 +71,12 @@ def _codecs(value: Any) -> str | None:
     return None
 
 
+def _direct_io(value: Any) -> str | None:
+    if value is True or value is False or value == "auto":
+        return None
+    return f"must be True, False or 'auto', got {value!r}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Options:
     """Checks every field when built; ``kwargs()`` are the keywords of the class it is for."""
@@ -139,9 +145,14 @@ class LocalWriterOptions(_Writing):
     fsync: bool = True
     """fsync data files and directories (turn off only for throwaway checkpoints)."""
 
-    direct_io: bool = True
-    """Write slab data with ``O_DIRECT`` where the file system allows it (no page-cache
-    copy); ignored where it is refused (tmpfs)."""
+    direct_io: bool | str = _setting("auto", check=_direct_io)
+    """``"auto"`` or ``True``: write data files with ``O_DIRECT`` and leave none of their
+    bytes in the page cache; a file system that refuses it (tmpfs, some network or FUSE file
+    systems) is written buffered and logged once (WARNING for ``True``). ``False``: buffered."""
+
+    streams: int = _setting(2, minimum=1)
+    """``O_DIRECT`` writes in flight per rank (several per file when fewer files than
+    streams are written at once)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -96,3 +96,40 @@ class Threads:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def in_streams(streams: int, tasks: Sequence[Callable[[], None]]) -> None:
+    """Run ``tasks`` on up to ``streams`` threads (the caller's among them), each thread
+    taking the next task; after the first error no new task starts and it is raised once
+    every thread has stopped."""
+    n = min(streams, len(tasks))
+    if n <= 1:
+        for task in tasks:
+            task()
+        return
+    lock = threading.Lock()
+    todo = iter(tasks)
+    errors: list[BaseException] = []
+
+    def loop() -> None:
+        while True:
+            with lock:
+                task = None if errors else next(todo, None)
+            if task is None:
+                return
+            try:
+                task()
+            except BaseException as e:  # noqa: BLE001 (re-raised on the caller's thread)
+                with lock:
+                    errors.append(e)
+                return
+
+    threads = [threading.Thread(target=loop, name=f"dcpp-stream-{i}", daemon=True)
+               for i in range(n - 1)]
+    for t in threads:
+        t.start()
+    loop()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]

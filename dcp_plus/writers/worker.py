@@ -10,7 +10,6 @@ watchdog thread ends it mid-job (an upload) when the parent is gone.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import sys
@@ -18,19 +17,23 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.storage.fileio import pwrite_all
+from dcp_plus.storage.direct import ALIGN, DirectFile
+from dcp_plus.storage.fanout import in_streams
 
 SHM_DIR = "/dev/shm"
 # Only alignment padding (< 4 KiB, zeros in a stager slab) is written between extents: a
 # larger gap may hold a tensor this rank does not write, which `verify` would flag as damage.
 COALESCE_GAP = 4095
-DIRECT_ALIGN = 4096
+DIRECT_ALIGN = ALIGN
 """O_DIRECT needs buffer address, file offset and length aligned; extents start 4 KiB-aligned
 in both the slab and the file, so only each run's tail (< 4 KiB) goes through the page cache."""
+PIECE = 8 << 20
+"""What one write stream takes at a time (a multiple of :data:`DIRECT_ALIGN`)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,10 @@ class WriteJob:
     ranges: list[tuple[str, int, int, int]]
     fsync: bool = True
     direct: bool = False
+    streams: int = 1
+    """Threads writing this file's pieces concurrently (O_DIRECT streams)."""
+    drop_cache: bool = False
+    """Evict the file from the page cache after the fsync (the buffered tails, fallbacks)."""
 
 
 @dataclass(frozen=True)
@@ -158,39 +165,31 @@ def run_job(job: Job, maps: _Mappings, parent: int) -> list[str]:
             raise ParentGone
 
     sums = maps.checksums(job.ranges)
-    fd = os.open(job.path, os.O_WRONLY)
-    dfd = _open_direct(job.path) if job.direct else None
+    runs = [r for r in coalesce(job.ranges) if r[3]]
+    f = DirectFile(job.path, direct=job.direct, drop_cache=job.drop_cache,
+                   between_chunks=check_parent)
     try:
-        for slab, soff, foff, n in coalesce(job.ranges):
-            data = maps.view(slab, soff, n)
-            head = 0
-            if dfd is not None and soff % DIRECT_ALIGN == 0 and foff % DIRECT_ALIGN == 0:
-                head = n - n % DIRECT_ALIGN
-                try:
-                    pwrite_all(dfd, data[:head], foff, check_parent)
-                except OSError as e:
-                    if e.errno != errno.EINVAL:
-                        raise
-                    os.close(dfd)  # this file system takes O_DIRECT opens but not the writes
-                    dfd, head = None, 0
-            pwrite_all(fd, data[head:], foff + head, check_parent)
-        if job.fsync:  # O_DIRECT bypasses the page cache, not the device cache or metadata
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-        if dfd is not None:
-            os.close(dfd)
+        if job.streams > 1 and len(runs) > 0:
+            f.preallocate(max(foff + n for _, _, foff, n in runs))
+        in_streams(job.streams, [partial(_write_piece, f, maps, piece)
+                                 for run in runs for piece in _pieces(run)])
+    except BaseException:
+        f.close()
+        raise
+    f.finish(job.fsync)
     return sums
 
 
-def _open_direct(path: str) -> int | None:
-    """A second, O_DIRECT descriptor of ``path``; None where the file system has no O_DIRECT."""
-    try:
-        return os.open(path, os.O_WRONLY | os.O_DIRECT)
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            return None
-        raise
+def _pieces(run: tuple[str, int, int, int]) -> list[tuple[str, int, int, int]]:
+    """``run`` cut into :data:`PIECE`-byte parts (aligned where the run is), one per task
+    of the job's write streams."""
+    slab, soff, foff, n = run
+    return [(slab, soff + i, foff + i, min(PIECE, n - i)) for i in range(0, n, PIECE)]
+
+
+def _write_piece(f: DirectFile, maps: _Mappings, piece: tuple[str, int, int, int]) -> None:
+    slab, soff, foff, n = piece
+    f.write(maps.view(slab, soff, n), foff, aligned=soff % DIRECT_ALIGN == 0)
 
 
 def _exit_with(parent: int) -> None:

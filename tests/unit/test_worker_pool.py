@@ -15,6 +15,7 @@ import torch
 
 from dcp_plus.errors import ClosedError, WorkerError
 from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.storage.direct import resident_pages
 from dcp_plus.writers import shutdown_pool
 from dcp_plus.writers.pool import WorkerPool
 from dcp_plus.writers.worker import WriteJob, coalesce
@@ -76,10 +77,12 @@ def test_writes_slab_ranges_and_returns_their_checksums(tmp_path, slab):
     del buf
 
 
+@pytest.mark.parametrize("streams", [1, 3])
 @pytest.mark.parametrize("where", ["disk", "tmpfs"])
-def test_direct_io_writes_aligned_runs_and_tails_exactly(tmp_path, slab, where):
-    """O_DIRECT for the 4 KiB-aligned part of each run, the page cache for the tail; tmpfs
-    has no O_DIRECT and gets plain writes. Either way the file is the slab's bytes."""
+def test_direct_io_writes_aligned_runs_and_tails_exactly(tmp_path, slab, where, streams):
+    """O_DIRECT for the 4 KiB-aligned part of each run, the page cache for the tail (then
+    evicted); on tmpfs O_DIRECT copies through memory anyway. Either way the file is the
+    slab's bytes, with 1 or several write streams (the file preallocated for them)."""
     base = tmp_path if where == "disk" else Path(tempfile.mkdtemp(dir="/dev/shm"))
     target = base / "f.dcpp"
     target.touch()
@@ -88,9 +91,12 @@ def test_direct_io_writes_aligned_runs_and_tails_exactly(tmp_path, slab, where):
               (slab.name, 8 * 4096, 12 * 4096, 100)]
     pool = WorkerPool(1)
     try:
-        (sums,) = pool.run([WriteJob(str(target), ranges, fsync=True, direct=True)])
+        (sums,) = pool.run([WriteJob(str(target), ranges, fsync=True, direct=True,
+                                     streams=streams, drop_cache=True)])
     finally:
         pool.close()
+    if where == "disk":  # nothing of it left in the page cache
+        assert resident_pages(str(target)) == (0, 13)
     data = target.read_bytes()
     for _, soff, foff, n in ranges:
         assert data[foff : foff + n] == bytes(buf[soff : soff + n])
