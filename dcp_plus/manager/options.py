@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.codecs import Codec, resolve_codec
-from dcp_plus.storage.direct_read import DirectIO, direct_io_problem
+from dcp_plus.storage.direct import DirectIO, direct_io_problem
 
 _T = TypeVar("_T")
 _Check = Callable[[Any], str | None]

@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from dcp_plus.errors import CheckpointNotFoundError, InvalidOptionError
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.readers.base import ExtentReader, describe
-from dcp_plus.storage.direct_read import DirectIO, direct_io_problem
+from dcp_plus.storage.direct import DirectIO, direct_io_problem
 from dcp_plus.storage.direct_store import DirectFileStore
 from dcp_plus.storage.fileio import read_regular
 from dcp_plus.storage.urls import is_url

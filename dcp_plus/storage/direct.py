@@ -43,11 +43,19 @@ MEMORY_FS = frozenset({"tmpfs", "ramfs", "hugetlbfs", "devtmpfs"})
 (tmpfs takes O_DIRECT opens since Linux 6.6 and copies through its page cache anyway)."""
 
 
+def direct_io_problem(value: object) -> str | None:
+    """What is wrong with ``value`` as a ``direct_io`` setting, or None."""
+    if value is True or value is False or value == "auto":
+        return None
+    return f'must be True, False or "auto", got {value!r}'
+
+
 def check_direct_io(owner: str, value: object) -> DirectIO:
     """``value`` if it is ``True``, ``False`` or ``"auto"``; ValueError naming ``owner``."""
-    if value is True or value is False or value == "auto":
-        return value  # type: ignore[return-value]
-    raise ValueError(f"{owner} direct_io must be True, False or 'auto', got {value!r}")
+    problem = direct_io_problem(value)
+    if problem is not None:
+        raise ValueError(f"{owner} direct_io {problem}")
+    return value  # type: ignore[return-value]
 
 
 # -- aligned memory -------------------------------------------------------------------------
@@ -87,6 +95,19 @@ class BufferPool:
                     buf = None
             if buf is not None:
                 buf.close()
+
+    @contextlib.contextmanager
+    def take_addressed(self) -> Iterator[tuple[memoryview, int]]:
+        """:meth:`take`, with the buffer's address (for copies made without the GIL)."""
+        with self.take() as view:
+            yield view, ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+    def close(self) -> None:
+        """Unmap the idle buffers (new ones are mapped on next use)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for buf in idle:
+            buf.close()
 
 
 BOUNCE_BYTES = 4 << 20
@@ -302,16 +323,15 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 
 
-def resident_pages(path: str) -> tuple[int, int]:
-    """``(resident, total)`` pages of ``path`` in the page cache (``mincore`` on a mapping,
-    which faults nothing in)."""
+def _mincore(path: str) -> tuple[bytes, int]:
+    """Per page of ``path``, whether the page cache holds it (bit 0), and the file's size
+    (``mincore`` on a mapping, which faults nothing in)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        page = mmap.PAGESIZE
-        pages = -(-size // page)
+        pages = -(-size // mmap.PAGESIZE)
         if pages == 0:
-            return 0, 0
+            return b"", 0
         addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), "mmap failed", path)
@@ -319,8 +339,27 @@ def resident_pages(path: str) -> tuple[int, int]:
             vec = (ctypes.c_ubyte * pages)()
             if _libc.mincore(addr, size, vec) != 0:
                 raise OSError(ctypes.get_errno(), "mincore failed", path)
-            return sum(b & 1 for b in vec), pages
+            return bytes(vec).translate(_BIT0), size
         finally:
             _libc.munmap(addr, size)
     finally:
         os.close(fd)
+
+
+_BIT0 = bytes(i & 1 for i in range(256))
+
+
+def resident_pages(path: str) -> tuple[int, int]:
+    """``(resident, total)`` pages of ``path`` in the page cache."""
+    vec, _ = _mincore(path)
+    return vec.count(1), len(vec)
+
+
+def resident_bytes(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """``(bytes of the file in the page cache, file size)``: whole pages, a resident last
+    page counted up to the file's end."""
+    vec, size = _mincore(os.fspath(path))
+    if not vec:
+        return 0, 0
+    slack = len(vec) * mmap.PAGESIZE - size if vec[-1] else 0
+    return vec.count(1) * mmap.PAGESIZE - slack, size

@@ -19,9 +19,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from dcp_plus.format.checksum import Hasher, format_checksum, new_hasher
+from dcp_plus.storage.direct import BufferPool
 from dcp_plus.storage.direct_read import (
     DIRECT_ALIGN,
-    BouncePool,
     address,
     copy_bytes,
     is_aligned,
@@ -120,7 +120,7 @@ class DirectRead:
     ``refused(name, error)`` is told and the request is read through the page cache."""
 
     def __init__(self, open_file: Callable[[str], int], location: Callable[[str], str],
-                 bounce: BouncePool, refused: Callable[[str, OSError], None]) -> None:
+                 bounce: BufferPool, refused: Callable[[str, OSError], None]) -> None:
         self._open_file = open_file
         self._location = location
         self._bounce = bounce
@@ -192,7 +192,7 @@ class DirectRead:
             if got < body:
                 raise self._eof(req, start + got)
             if body < req.length:
-                with self._bounce.take() as (page, page_at):
+                with self._bounce.take_addressed() as (page, page_at):
                     got = pread_upto(fd, page[:DIRECT_ALIGN], start + body)
                     if got < req.length - body:
                         raise self._eof(req, start + body + got)
@@ -201,7 +201,7 @@ class DirectRead:
             return
         a = start - start % DIRECT_ALIGN
         b = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
-        with self._bounce.take() as (bounce, at):
+        with self._bounce.take_addressed() as (bounce, at):
             got = pread_upto(fd, bounce[: b - a], a)
             if got < end - a:
                 raise self._eof(req, a + got)

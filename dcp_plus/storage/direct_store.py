@@ -16,8 +16,9 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
+from dcp_plus.storage.direct import BufferPool, DirectIO
 from dcp_plus.storage.direct_extents import BOUNCE_BYTES, DirectRead, Done
-from dcp_plus.storage.direct_read import BouncePool, DirectIO, memory_fs, set_direct
+from dcp_plus.storage.direct_read import memory_fs, set_direct
 from dcp_plus.storage.fileio import open_regular
 from dcp_plus.storage.localfs import LocalFileStore
 
@@ -32,7 +33,7 @@ class DirectFileStore(LocalFileStore):
         super().__init__(root)
         self.direct_io = direct_io
         self._direct: bool | None = None if direct_io is not False else False
-        self._bounce = BouncePool(BOUNCE_BYTES)
+        self._bounce = BufferPool(BOUNCE_BYTES)
         self._lock = threading.Lock()
 
     def uses_direct(self, name: str) -> bool:

@@ -234,7 +234,7 @@ def test_a_refused_direct_write_falls_back_to_the_page_cache(tmp_path):
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])
 def test_direct_io_takes_only_true_false_or_auto(tmp_path, bad):
-    with pytest.raises(ValueError, match="direct_io must be True, False or 'auto'"):
+    with pytest.raises(ValueError, match='direct_io must be True, False or "auto"'):
         LocalWriter(tmp_path, direct_io=bad)
     with pytest.raises(InvalidOptionError, match="LocalWriterOptions.direct_io"):
         LocalWriterOptions(direct_io=bad)

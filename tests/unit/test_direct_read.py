@@ -400,10 +400,10 @@ def test_store_read_past_the_end_names_the_extent_cut(data_file):
 
 
 def test_bounce_buffers_are_page_aligned():
-    from dcp_plus.storage.direct_read import BouncePool
+    from dcp_plus.storage.direct import BufferPool
 
-    pool = BouncePool(3 * 4096)
-    with pool.take() as (a, at), pool.take() as (b, bt):
+    pool = BufferPool(3 * 4096)
+    with pool.take_addressed() as (a, at), pool.take_addressed() as (b, bt):
         assert at % mmap.PAGESIZE == 0 and bt % mmap.PAGESIZE == 0 and at != bt
         assert address(a) == at and len(b) == 3 * 4096
     pool.close()

@@ -18,12 +18,12 @@ Shared by ``benchmarks/save_load.py``, ``benchmarks/staging.py``,
 from __future__ import annotations
 
 import errno
+import functools
 import math
 import mmap
 import os
 import subprocess
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -31,6 +31,8 @@ import torch
 from dcp_plus.cli.bench.machine import fs_type
 from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
+from dcp_plus.storage.direct import aligned_buffer as page_aligned
+from dcp_plus.storage.fanout import in_streams
 
 CHUNK = 64 << 20
 BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
@@ -68,7 +70,7 @@ class MemcpyLimit:
 def aligned_buffer(nbytes: int) -> mmap.mmap:
     """A page-aligned anonymous buffer of ``nbytes`` rounded up to 4 KiB, pre-faulted (warm
     memory, like a live model's tensors): a destination for :func:`direct_read`."""
-    m = mmap.mmap(-1, max(align_up(nbytes), BLOCK))
+    m = page_aligned(nbytes)
     zeros = bytes(min(len(m), CHUNK))
     for at in range(0, len(m), len(zeros)):
         m[at:at + len(zeros)] = zeros[:len(m) - at]
@@ -100,12 +102,6 @@ def direct_refusal(d: str) -> str | None:
         if os.path.exists(path):
             os.unlink(path)
     return None
-
-
-def _in_streams(streams: int, fn: Any, args: list[Any]) -> None:
-    with ThreadPoolExecutor(streams) as ex:
-        for f in [ex.submit(fn, a) for a in args]:
-            f.result()
 
 
 def read_plan(sizes: list[int], streams: int,
@@ -149,7 +145,7 @@ def direct_read(files: list[str], streams: int, into: memoryview) -> int:
     try:
         for f in files:
             fds.append(os.open(f, os.O_RDONLY | os.O_DIRECT))
-        _in_streams(streams, one, list(range(streams)))
+        in_streams(streams, [functools.partial(one, i) for i in range(streams)])
     finally:
         for fd in fds:
             os.close(fd)
@@ -190,7 +186,7 @@ def pwrite_files(buf: memoryview, nbytes: int, d: str, streams: int = 1,
                 os.close(dfd)
             os.close(fd)
 
-    _in_streams(streams, one, list(range(streams)))
+    in_streams(streams, [functools.partial(one, i) for i in range(streams)])
     return paths
 
 
