@@ -20,7 +20,7 @@ from dcp_plus.cli.bench.limits import (
     pwrite_files,
     read_plan,
 )
-from dcp_plus.cli.bench.machine import fs_type
+from dcp_plus.cli.bench.machine import evict_files, fs_type
 from dcp_plus.cli.bench.measure import _Storage, measure_limits
 from dcp_plus.cli.bench.pagecache import cached_now, residency, resident_bytes
 from dcp_plus.cli.bench.report import DIRECT_ROWS, build, render
@@ -55,12 +55,7 @@ def test_a_buffered_write_is_resident_until_dropped(tmp_path):
     f = tmp_path / "buffered.bin"
     f.write_bytes(os.urandom(8 * MiB + 123))
     assert resident_bytes(str(f)) >= 0.9 * f.stat().st_size
-    fd = os.open(f, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # DONTNEED drops clean pages only
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict_files([str(f)])  # fsync, then DONTNEED (it drops clean pages only)
     r = residency([str(tmp_path)])
     assert (r.resident, r.total, r.method) == (0, 8 * MiB + 123, "mincore")
     f.read_bytes()  # a buffered read brings it all back

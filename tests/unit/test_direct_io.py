@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from dcp_plus import LocalWriter
+from dcp_plus.cli.bench.machine import evict_files
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.manager.options import LocalWriterOptions
 from dcp_plus.stagers import ArenaStager
@@ -163,12 +164,7 @@ def test_resident_pages_counts_what_the_page_cache_holds(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(os.urandom(64 * ALIGN + 5))
     assert resident_pages(str(path)) == (65, 65)  # just written: cached
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict_files([str(path)])
     assert resident_pages(str(path)) == (0, 65)
     empty = tmp_path / "empty"
     empty.touch()

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from dcp_plus import LocalReader, SafeLoadPlanner
+from dcp_plus.cli.bench.machine import evict_files
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.manager.options import LocalReaderOptions
@@ -94,12 +95,7 @@ def odd(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def drop_from_cache(path: Path) -> list[Path]:
     files = sorted(path.glob("*.dcpp"))
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict_files([str(f) for f in files])
     return files
 
 

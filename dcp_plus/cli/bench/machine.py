@@ -102,14 +102,7 @@ def drop_caches(paths: list[str]) -> str:
             f.write("3\n")
         return "drop_caches"
     except OSError:
-        for root in paths:
-            for dirpath, _, files in os.walk(root):
-                for name in files:
-                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-                    try:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                    finally:
-                        os.close(fd)
+        evict_files(list(paths))
         return "fadvise"
 
 
