@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.installed-bench
 TITAN_VENV  := .venv-titan
 TITAN_STAMP := $(TITAN_VENV)/.installed
 
-.PHONY: demo test test-torchtitan nfs-server lint typecheck bench bench-compression clean
+.PHONY: demo test test-torchtitan nfs-server lint typecheck bench bench-compression gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ bench: $(BENCH_STAMP)
 
 bench-compression: $(BENCH_STAMP)
 	$(PY) -m benchmarks.compression $(BENCH_ARGS)
+
+# Wheels the GPU machine lacks (Python 3.12 there): carried in .whl/ by benchmarks/gpu_check.sh.
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	    -d .whl "zstandard>=0.22"
 
 clean:
 	rm -rf $(VENV) $(TITAN_VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache

@@ -95,8 +95,13 @@ class NullWriter(StorageWriter):
         return True
 
 
-def gpt2_like_state_dict(size_bytes: int, layers: int = 25) -> dict[str, Any]:
-    """bf16 weights + fp32 AdamW moments + step tensors: 12 params/layer, 4 tensors each."""
+def gpt2_like_state_dict(
+    size_bytes: int, layers: int = 25, device: str = "cpu"
+) -> dict[str, Any]:
+    """bf16 weights + fp32 AdamW moments + step tensors: 12 params/layer, 4 tensors each.
+
+    Weights and moments live on ``device``; the ``step`` counters on CPU, as AdamW keeps them.
+    """
     # bytes per parameter: 2 (bf16 weight) + 4 + 4 (exp_avg, exp_avg_sq)
     d = int(math.sqrt(size_bytes / (10 * 12 * layers)))
     d -= d % 8
@@ -119,11 +124,11 @@ def gpt2_like_state_dict(size_bytes: int, layers: int = 25) -> dict[str, Any]:
     for i in range(layers):
         for name, shape in shapes.items():
             fqn = f"h.{i}.{name}"
-            model[fqn] = torch.randn(shape).to(torch.bfloat16)
+            model[fqn] = torch.randn(shape, device=device).to(torch.bfloat16)
             state[fqn] = {
                 "step": torch.tensor(10.0),
-                "exp_avg": torch.randn(shape),
-                "exp_avg_sq": torch.rand(shape),
+                "exp_avg": torch.randn(shape, device=device),
+                "exp_avg_sq": torch.rand(shape, device=device),
             }
     groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "params": list(model)}]
     return {"model": model, "optim": {"state": state, "param_groups": groups}}

@@ -28,6 +28,7 @@ from dcp_plus.manager.storage import Backend, LocalBackend
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.schedule import AdaptiveInterval
 from dcp_plus.stagers import ArenaStager
+from dcp_plus.stagers.device_copy import check_device_copy
 from dcp_plus.storage.urls import is_url
 from dcp_plus.writers import shutdown_pool
 
@@ -88,6 +89,11 @@ class DcpPlusCheckpointManager(CheckpointManager):
 
         stager_max_bytes: int | None = None
         """Upper bound on the stager's shared memory; ``None`` for none."""
+
+        stager_device_copy: str = "auto"
+        """GPU-mode snapshots: ``"auto"`` copies into a device buffer first when device memory
+        allows (the step after a save then waits for an HBM copy, not the host copy),
+        ``"always"``, or ``"never"`` (see ``docs/stager.md``, "GPU mode")."""
 
         stager_threads: int | None = None
         """CPU copy threads of the stager (default: min(2, cpu count))."""
@@ -151,6 +157,7 @@ class DcpPlusCheckpointManager(CheckpointManager):
             if self.stager_buffers not in (1, 2):
                 raise ValueError(
                     f"checkpoint.stager_buffers must be 1 or 2, got {self.stager_buffers}")
+            check_device_copy(self.stager_device_copy, "checkpoint.stager_device_copy")
             if self.plan_cache_size < 1:
                 raise ValueError(
                     f"checkpoint.plan_cache_size must be >= 1, got {self.plan_cache_size}")
@@ -180,7 +187,8 @@ class DcpPlusCheckpointManager(CheckpointManager):
             self.stager = ArenaStager(buffers=config.stager_buffers,
                                       max_bytes=config.stager_max_bytes,
                                       num_threads=config.stager_threads,
-                                      executor=config.async_executor)
+                                      executor=config.async_executor,
+                                      device_copy=check_device_copy(config.stager_device_copy))
         self._executor = (AsyncCheckpointerType.PROCESS if config.async_executor == "process"
                           else AsyncCheckpointerType.THREAD)
         # the writer settings of either backend, checked now rather than at the first save

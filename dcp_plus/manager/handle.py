@@ -45,6 +45,7 @@ class SaveHandle:
     exposed_staging_s: float = 0.0
     started_at: float = 0.0
     staged_at: float | None = None
+    device_copy_s: float | None = None
 
     def result(self, timeout: float | None = None) -> SaveStats:
         """Wait for the commit; raises ``CheckpointSaveError`` if the save failed."""
@@ -55,7 +56,8 @@ class SaveHandle:
         return SaveStats(step=self.step, blocking_s=self.blocking_s, waited_s=self.waited_s,
                          exposed_staging_s=self.exposed_staging_s,
                          staging_s=max(0.0, staged_at - self.started_at),
-                         persist_s=max(0.0, done_at - staged_at), ok=ok)
+                         persist_s=max(0.0, done_at - staged_at), ok=ok,
+                         device_copy_s=self.device_copy_s)
 
 
 def rank_causes(exc: BaseException) -> list[tuple[int | None, BaseException]]:

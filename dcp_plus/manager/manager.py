@@ -254,10 +254,11 @@ class CheckpointManager:
         else:  # a stager that stages synchronously
             staged, upload = Future(), resp
             staged.set_result(None)
-        staged.add_done_callback(lambda f: self._finish.staged(handle, f))
+        stager = self._stager if isinstance(self._stager, ArenaStager) else None
+        staged.add_done_callback(lambda f: self._finish.staged(handle, f, stager))
         self._inflight = self._staging = handle
         if not self._guarded:
-            wait_futures([staged])
+            self._wait_snapshot(staged, stager)
         handle.blocking_s = self.clock() - t0
         self._iter_checkpoint_s += handle.blocking_s
         self._post.submit(self._finish.complete, handle, upload)
@@ -366,6 +367,17 @@ class CheckpointManager:
         if self._ctl is None or isinstance(self.policy, EveryN):
             return want
         return self._ctl.rank0_decides(want)
+
+    def _wait_snapshot(self, staged: Future[Any], stager: ArenaStager | None) -> None:
+        """Unguarded: wait until the live state may change (in GPU mode, once the device
+        copy is done, not the copy to host)."""
+        if stager is None:
+            wait_futures([staged])
+            return
+        try:
+            stager.synchronize_staging()
+        except DcpPlusError as e:  # also fails the save's handle
+            log.warning("snapshot failed: %s", e)
 
     def _pre_step(self, *_: Any) -> None:
         t0 = self.clock()

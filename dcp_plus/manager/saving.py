@@ -15,6 +15,7 @@ from typing import Any
 from dcp_plus.manager.handle import SaveHandle, save_error
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.schedule import SaveStats
+from dcp_plus.stagers import ArenaStager
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,12 @@ class Completion:
     keep_last: int | None
     keep_every: int | None
 
-    def staged(self, handle: SaveHandle, f: Future[Any]) -> None:
-        """Callback of the snapshot's future."""
+    def staged(self, handle: SaveHandle, f: Future[Any], stager: ArenaStager | None) -> None:
+        """Callback of the snapshot's future (``stager``: ours, whose last snapshot is this
+        one, for its GPU-mode timing)."""
         handle.staged_at = self.clock()
+        if stager is not None:
+            handle.device_copy_s = stager.device_copy_status.last_device_copy_s
         e = f.exception()
         if e is None:
             handle.staged.set_result(None)

@@ -49,13 +49,15 @@ class Decision:
     tc: float
     ts: float
     to: float
+    tg: float | None = None
 
     def describe(self) -> str:
         ovh = "n/a" if self.overhead is None else f"{100 * self.overhead:.2f}%"
         tw = "n/a" if self.tw is None else f"{1e3 * self.tw:.1f}ms"
+        tg = "" if self.tg is None else f" (GPU mode: Tg={1e3 * self.tg:.1f}ms)"
         return (f"k={self.k} at step {self.step} ({self.reason}): Ti={1e3 * self.ti:.1f}ms "
                 f"Tw={tw} Tc={1e3 * self.tc:.1f}ms Ts={1e3 * self.ts:.1f}ms "
-                f"To={1e3 * self.to:.1f}ms measured overhead={ovh}")
+                f"To={1e3 * self.to:.1f}ms{tg} measured overhead={ovh}")
 
 
 class EveryN:
@@ -91,6 +93,9 @@ class _Profiled:
         self.tc = Ewma()
         self.ts = Ewma()
         self.to = Ewma()
+        self.tg = Ewma()
+        """GPU-mode snapshots' device copy time (CheckFreq's T_g); the guard waits at most
+        this long, so it bounds To from below when the snapshot is in GPU mode."""
         self.meter = OverheadMeter()
         self.k: int | None = None
         self.decisions: list[Decision] = []
@@ -114,6 +119,8 @@ class _Profiled:
         self.tc.add(stats.staging_s)
         self.ts.add(stats.persist_s)
         self.to.add(stats.own_exposed_s)
+        if stats.device_copy_s is not None:
+            self.tg.add(stats.device_copy_s)
 
     def _take(self, step: int) -> bool:
         self._step = step
@@ -123,7 +130,8 @@ class _Profiled:
 
     def _decide(self, k: int, reason: str, overhead: float | None) -> None:
         d = Decision(self._step, k, reason, overhead, self.ti.value or 0.0, self.tw.value,
-                     self.tc.value or 0.0, self.ts.value or 0.0, self.to.value or 0.0)
+                     self.tc.value or 0.0, self.ts.value or 0.0, self.to.value or 0.0,
+                     self.tg.value)
         self.decisions.append(d)
         log.info("%s: %s", type(self).__name__, d.describe())
         self.k = k

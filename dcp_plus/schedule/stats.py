@@ -18,7 +18,7 @@ class SaveStats:
     spent waiting for the previous persist to finish (at most one is in flight).
     ``exposed_staging_s`` is the time the next ``optimizer.step()`` waited for the snapshot
     (the guard). ``staging_s`` (Tc) runs from the start of the save to the complete snapshot,
-    ``persist_s`` (Ts) from the complete snapshot to the commit.
+    ``persist_s`` (Ts) from the complete snapshot to the commit; ``device_copy_s`` below.
     """
 
     step: int
@@ -28,6 +28,10 @@ class SaveStats:
     staging_s: float
     persist_s: float
     ok: bool = True
+    device_copy_s: float | None = None
+    """GPU-mode snapshot (``ArenaStager(device_copy=...)``): the device -> device copy's time
+    (CheckFreq's T_g), after which the guard let training go on; ``None`` for a snapshot
+    copied straight to host memory (whose copy time is within ``staging_s``, T_c)."""
 
     @property
     def exposed_s(self) -> float:

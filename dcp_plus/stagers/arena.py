@@ -19,6 +19,7 @@ import torch
 
 from dcp_plus.format.layout import ALIGNMENT, align_up
 from dcp_plus.memory.slabs import Slab, registry
+from dcp_plus.stagers.device_copy import Mirror, plan_mirror
 from dcp_plus.stagers.pool import SlabPool
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,22 @@ class Arena:
         self.retired = False
         self.tensor_bytes = sum(e.nbytes for e in layout.extents)
         """Bytes of tensor data one snapshot copies (alignment padding excluded)."""
+        self.mirror: Mirror | None = None
+        """The device mirror of GPU-mode snapshots (:mod:`~dcp_plus.stagers.device_copy`),
+        shared by this arena's buffers: snapshots run one at a time."""
+        self.on_device = [dev.startswith("cuda") for *_, dev in fingerprint]
+        self.mirror_plan = plan_mirror(layout.extents, self.on_device)
+        devices = {dev for *_, dev in fingerprint if dev.startswith("cuda")}
+        self.cuda_device: int | None = (
+            torch.device(devices.pop()).index or 0 if len(devices) == 1 else None
+        )
+        """The CUDA device of every CUDA tensor; ``None``: none, or several (no GPU mode)."""
+
+    def drop_mirror(self) -> None:
+        """Give the device mirror's memory back, if this arena holds one."""
+        if self.mirror is not None:
+            self.mirror.free()
+            self.mirror = None
 
     @property
     def nbytes(self) -> int:
@@ -211,6 +228,7 @@ class Arena:
 
     def free(self) -> None:
         """Free every buffer; call only when :meth:`in_use` is False."""
+        self.drop_mirror()
         for buf in self.buffers:
             buf.free()
         self.buffers = []

@@ -23,6 +23,7 @@ from dcp_plus.memory.slabs import remove_orphans
 from dcp_plus.stagers.arena import Arena, fingerprint
 from dcp_plus.stagers.arenas import ArenaSet
 from dcp_plus.stagers.copy_engine import CopyEngine
+from dcp_plus.stagers.device_copy import DeviceCopy, DeviceCopyPolicy, DeviceCopyStatus
 from dcp_plus.stagers.guard import GuardHandle, checkpoint_bytes, install_guard
 from dcp_plus.stagers.holds import Holds
 from dcp_plus.stagers.hsdp_skip import (
@@ -39,7 +40,7 @@ from dcp_plus.stagers.tree import capture, fqns_of, local_tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ArenaStager", "ExecutorKind", "WriteSetSource"]
+__all__ = ["ArenaStager", "DeviceCopy", "ExecutorKind", "WriteSetSource"]
 
 
 class ArenaStager(AsyncStager):
@@ -70,6 +71,14 @@ class ArenaStager(AsyncStager):
               pickled into DCP's daemon; ``skip_unwritten`` is ignored (every tensor copied).
             * ``"other"``: your own consumer; a buffer is reused only once its staged dict
               is dropped.
+        device_copy: GPU-mode snapshots of CUDA tensors (CheckFreq): ``"auto"`` (default)
+            first copies them into a reusable device buffer when the device has room for it
+            after training's peak, releases the guard when that copy is done, and copies to
+            host memory in the background; ``"always"`` does so whenever the CUDA tensors are
+            on one device; ``"never"`` copies straight to host memory. Costs one more copy of
+            the CUDA tensors' bytes in device memory while in use (see ``docs/stager.md``).
+        device_margin_bytes: device memory ``"auto"`` keeps free beyond training's peak and
+            the device buffer (default: the larger of 1 GiB and 5 % of the device).
 
     The staged dict a ``stage()`` future resolves to is valid until its save has persisted:
     afterwards its memory is reused by a later snapshot.
@@ -87,12 +96,15 @@ class ArenaStager(AsyncStager):
         wait_timeout_s: float | None = None,
         skip_unwritten: WriteSetSource | None = None,
         executor: ExecutorKind = "thread",
+        device_copy: DeviceCopy = "auto",
+        device_margin_bytes: int | None = None,
     ) -> None:
         if buffers not in (1, 2):
             raise ValueError(f"ArenaStager(buffers=...) must be 1 or 2, got {buffers}")
         if slab_bytes < 4096:
             raise ValueError(f"slab_bytes must be at least 4096, got {slab_bytes}")
         self._executor = check_executor(executor)
+        self._device = DeviceCopyPolicy(device_copy, device_margin_bytes)
         for name in remove_orphans():
             logger.warning("removed shared-memory slab %s left by a dead process", name)
         self.buffers = buffers
@@ -108,7 +120,8 @@ class ArenaStager(AsyncStager):
         self._holds = Holds(self._cond, self._set, self._skip, buffers)
         self._last_release: Release | None = None
         self._snapshots = Snapshotter(
-            self._cond, self._set, self._pool, self._skip, self._holds, self._engine
+            self._cond, self._set, self._pool, self._skip, self._holds, self._engine,
+            self._device,
         )
         if skip_unwritten is not None:
             self.skip_unwritten_by(skip_unwritten)
@@ -137,6 +150,14 @@ class ArenaStager(AsyncStager):
     def last_copy_s(self) -> float:
         """Seconds the last completed snapshot spent copying (the rest is bookkeeping)."""
         return self._snapshots.stats.copy_s
+
+    @property
+    def device_copy_status(self) -> DeviceCopyStatus:
+        """GPU mode now: the mode, why the last snapshot did (not) use it, device bytes held."""
+        with self._cond:
+            held = sum(a.mirror.nbytes for a in self._arenas if a.mirror is not None)
+        return DeviceCopyStatus(self._device.mode, self._device.reason, held,
+                                self._snapshots.stats.device_copy_s)
 
     @property
     def max_bytes(self) -> int | None:
@@ -178,6 +199,7 @@ class ArenaStager(AsyncStager):
             job = Job(captured, events, future, may_skip, executor)
             with self._cond:
                 self._holds.pending += 1
+                self._holds.reading += 1
                 self._holds.gates.add(future.go)
             self._engine.submit(lambda: self._snapshots.run(job))
         except BaseException:
@@ -202,7 +224,11 @@ class ArenaStager(AsyncStager):
         done.add_done_callback(lambda _: release())
 
     def synchronize_staging(self) -> None:
-        """Wait until every snapshot submitted so far has been copied.
+        """Wait until no snapshot submitted so far reads the live tensors any more.
+
+        That is when every snapshot has been copied, or, in GPU mode (``device_copy``), once
+        its device -> device copy is done (the copy to host then goes on in the background;
+        the ``stage()`` future resolves after it).
 
         Raises:
             StagingError: a snapshot failed (raised once, then cleared).
@@ -211,7 +237,7 @@ class ArenaStager(AsyncStager):
         with self._cond:
             for go in holds.gates:
                 go.set()
-            while holds.pending:
+            while holds.reading:
                 self._cond.wait()
             err, holds.error = holds.error, None
         if err is not None:

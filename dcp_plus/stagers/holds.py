@@ -34,6 +34,7 @@ class Holds:
         self.buffers = buffers
         self.held = 0  # snapshots staged or being staged and not yet persisted
         self.pending = 0  # copy jobs submitted and not finished
+        self.reading = 0  # of which, jobs that may still read the live tensors
         self.gates: set[threading.Event] = set()  # start signals of those jobs
         self.error: BaseException | None = None  # of a failed job, until synchronize_staging
 

@@ -10,11 +10,14 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from dcp_plus.errors import DcpPlusError, StagingError
 from dcp_plus.memory.skipped import stale_views
 from dcp_plus.stagers.arena import Arena, Buffer, fingerprint
 from dcp_plus.stagers.arenas import ArenaSet
 from dcp_plus.stagers.copy_engine import CopyEngine
+from dcp_plus.stagers.device_copy import DeviceCopyPolicy, Mirror
 from dcp_plus.stagers.holds import Holds
 from dcp_plus.stagers.hsdp_skip import ExecutorKind, SkipControl, split_copies
 from dcp_plus.stagers.pool import SlabPool
@@ -34,6 +37,8 @@ class Job:
     future: StageFuture[StagedStateDict]
     may_skip: bool
     executor: ExecutorKind
+    reading: bool = True
+    """The copy may still read the live tensors (``synchronize_staging`` waits for it)."""
 
 
 @dataclass(slots=True)
@@ -43,6 +48,8 @@ class CopyStats:
     copied_bytes: int = 0
     skipped_bytes: int = 0
     copy_s: float = 0.0
+    device_copy_s: float | None = None
+    """GPU mode: the device -> device copy's time (``None``: the snapshot went to host)."""
 
 
 @dataclass
@@ -55,6 +62,7 @@ class Snapshotter:
     _skip: SkipControl
     _holds: Holds
     _engine: CopyEngine
+    _device: DeviceCopyPolicy
     stats: CopyStats = field(default_factory=CopyStats)
 
     def run(self, job: Job) -> None:
@@ -83,11 +91,16 @@ class Snapshotter:
             views = buf.views
             t_copy = time.perf_counter()
             copy, stale, skipped = split_copies(fqns, locals_, views, arena.layout.extents, skip)
-            self._engine.copy(copy, job.events)
+            mirror = self._mirror_for(arena)
+            device_s: float | None = None
+            if mirror is None:
+                self._engine.copy(copy, job.events)
+            else:
+                device_s = self._copy_through(mirror, arena, buf, fqns, locals_, skip, job)
             if skip:
                 stale_views.set(buf.key, stale)
             self.stats = CopyStats(arena.tensor_bytes - skipped, skipped,
-                                   time.perf_counter() - t_copy)
+                                   time.perf_counter() - t_copy, device_s)
             staged = StagedStateDict(
                 fill(
                     cap.skeleton,
@@ -119,10 +132,68 @@ class Snapshotter:
         finally:
             job.captured = None  # type: ignore[assignment]
             job.future = None  # type: ignore[assignment]
+            self._live_released(job)
             with self._cond:
                 self._holds.pending -= 1
                 self._holds.gates.discard(go)
                 self._cond.notify_all()
+
+    def _live_released(self, job: Job) -> None:
+        """No live tensor of ``job`` is read any more: ``synchronize_staging`` may return."""
+        if job.reading:
+            job.reading = False
+            with self._cond:
+                self._holds.reading -= 1
+                self._cond.notify_all()
+
+    def _mirror_for(self, arena: Arena) -> Mirror | None:
+        """The arena's device mirror if this snapshot goes through one (allocated on first
+        use, dropped when device memory no longer allows it), else ``None``."""
+        policy = self._device
+        if policy.mode == "never" or arena.mirror_plan.nbytes == 0:
+            return None
+        device = arena.cuda_device
+        if device is None:
+            policy.reason = "CUDA tensors on several devices: host copy"
+            return None
+        if not policy.choose(arena.mirror_plan, arena.mirror, device):
+            arena.drop_mirror()
+            return None
+        if arena.mirror is None:
+            try:
+                arena.mirror = self._engine.allocate_mirror(
+                    arena.mirror_plan, device, arena.layout.extents, arena.on_device
+                )
+            except torch.OutOfMemoryError as e:
+                policy.reason = f"cuda:{device}: no memory for the device mirror: host copy"
+                logger.warning("ArenaStager: %s (%s)", policy.reason, e)
+                return None
+        return arena.mirror
+
+    def _copy_through(
+        self, mirror: Mirror, arena: Arena, buf: Buffer, fqns: list[str],
+        locals_: list[Any], skip: frozenset[str], job: Job,
+    ) -> float:
+        """GPU-mode copy; returns the device copy's seconds (CheckFreq's T_g)."""
+        to_mirror, cpu = [], []
+        for f, src, view, dev_view in zip(fqns, locals_, buf.views, mirror.views, strict=True):
+            if f in skip:
+                continue
+            if dev_view is not None:
+                to_mirror.append((src, dev_view))
+            elif not src.is_cuda:  # (an empty CUDA tensor has nothing to copy)
+                cpu.append((src, view))
+        to_host = [(buf.bases[s][a:b], mirror.bytes_of(s, a, b))
+                   for s, a, b in arena.mirror_plan.runs]
+        device_s = 0.0
+
+        def released(seconds: float) -> None:
+            nonlocal device_s
+            device_s = seconds
+            self._live_released(job)
+
+        self._engine.copy_through_mirror(mirror, to_mirror, cpu, to_host, job.events, released)
+        return device_s
 
 
 def _set_consumer(buf: Buffer, thread: threading.Thread) -> None:

@@ -219,14 +219,19 @@ def test_fenced_manager_fails_its_next_save_before_writing_anything(tmp_path):
             m.save(3, state_at(3)).result()
 
 
-def test_fenced_manager_does_not_commit_a_save_in_flight_nor_delete_it(tmp_path):
+def test_fenced_manager_does_not_commit_a_save_in_flight_nor_delete_it(tmp_path, monkeypatch):
+    from dcp_plus.writers.base import CommittingWriter
+
     root = tmp_path / "ckpt"
+    finish = CommittingWriter.finish
 
-    def usurp_while_persisting(phase: str, step: int) -> None:
-        if phase == "persist" and step == 2:
-            _usurp(root)
+    def usurp_after_the_data_is_written(self, metadata, results):  # type: ignore[no-untyped-def]
+        if "step_00000002" in str(self.path):
+            _usurp(root)  # the takeover lands between the data files and the commit
+        return finish(self, metadata, results)
 
-    with CheckpointManager(root, keep_last=1, on_phase=usurp_while_persisting) as m:
+    monkeypatch.setattr(CommittingWriter, "finish", usurp_after_the_data_is_written)
+    with CheckpointManager(root, keep_last=1) as m:
         m.save(1, state_at(1)).result()
         with pytest.raises(CheckpointSaveError, match="LeaseLostError"):
             m.save(2, state_at(2)).result()
