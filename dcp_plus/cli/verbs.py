@@ -9,7 +9,12 @@ import sys
 from typing import Any
 
 from dcp_plus.cli.options import add_storage_option, parse_storage_options
-from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DcpPlusError,
+)
 
 
 def _human(n: float) -> str:
@@ -23,7 +28,11 @@ def _human(n: float) -> str:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dcp_plus.readers.inspect import summarize
 
-    info = summarize(args.path, parse_storage_options(args.storage_option))
+    options = parse_storage_options(args.storage_option)
+    try:
+        info = summarize(args.path, options, allow_pickle=args.allow_pickle)
+    except CheckpointNotFoundError as e:
+        raise root_hint(args.path, options) or e from None
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -37,6 +46,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{t['files']} files, {_human(t['bytes'])} raw, {_human(t['stored_bytes'])} stored "
           f"(ratio {t['ratio']:.2f})")
     return 0
+
+
+def root_hint(path: str, options: dict[str, Any]) -> DcpPlusError | None:
+    """If ``path`` is no checkpoint but a root of checkpoints (a manager's, TorchTitan's
+    ``checkpoint`` folder), an error that says so and names the commands that help."""
+    from dcp_plus.cli.listing import list_root
+
+    try:
+        rows = list_root(path, options)["checkpoints"]
+    except (DcpPlusError, OSError):
+        return None
+    committed = [r["name"] for r in rows if r["committed"]]
+    if not committed:
+        return None
+    where = path.rstrip("/")
+    return CheckpointNotFoundError(
+        f"{path} is a folder of checkpoints, not a checkpoint: it holds "
+        f"{_plural(len(committed), 'committed checkpoint')} ({committed[0]} .. "
+        f"{committed[-1]}). List them with `dcp-plus ls {where}`, or inspect one: "
+        f"`dcp-plus inspect {where}/{committed[-1]}`")
 
 
 def _plural(n: int, word: str) -> str:
@@ -57,7 +86,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     options = parse_storage_options(args.storage_option)
     try:
-        record = load_record(args.path, options)  # decoded once: progress total and checks
+        try:
+            record = load_record(args.path, options)  # decoded once: progress total, checks
+        except CheckpointNotFoundError as e:
+            raise root_hint(args.path, options) or e from None
         with tqdm(total=stored_bytes(record), unit="B", unit_scale=True, desc="verifying",
                   disable=args.json or None, file=sys.stderr) as bar:
             report = verify(args.path, progress=bar.update, record=record,
@@ -184,7 +216,10 @@ def add_checkpoint_verbs(sub: Any) -> None:
                    help="also keep every step that is a multiple of K")
     _verb(sub, "diff", "tensors added, removed or changed from checkpoint A to B; exit 1 if "
                        "they differ", cmd_diff, "a", "b")
-    _verb(sub, "inspect", "list the tensors of a checkpoint (a directory or URL)", cmd_inspect,
-          "path")
+    i = _verb(sub, "inspect", "list the tensors of a checkpoint (a directory or URL)",
+              cmd_inspect, "path")
+    i.add_argument("--allow-pickle", action="store_true",
+                   help="also list a stock DCP checkpoint, unpickling its record (only for "
+                        "checkpoints you trust)")
     _verb(sub, "verify", "re-checksum every extent; exit 1 on damage, 2 if not a checkpoint",
           cmd_verify, "path")

@@ -6,6 +6,7 @@ a local path, ``nfs://``, ``s3://`` or another fsspec URL), through the reader's
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, cast
@@ -32,8 +33,9 @@ def _record(reader: ExtentReader) -> Metadata:
     if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
         raise UnsafeCheckpointError(
             f"{reader.path}: {RECORD_NAME} is a pickle (a stock DCP checkpoint), and dcp-plus "
-            "never unpickles: unpickling can run arbitrary code. To read it, convert it once "
-            "with `dcp-plus convert --allow-pickle SRC DST` (only for checkpoints you trust)")
+            "never unpickles unasked: unpickling can run arbitrary code. Only for a checkpoint "
+            "you trust: list it with `dcp-plus inspect --allow-pickle PATH`, or convert it "
+            "once with `dcp-plus convert --allow-pickle SRC DST`")
     return decode_record(data, reader._location(RECORD_NAME))
 
 
@@ -56,16 +58,65 @@ def _extents(md: Metadata) -> dict[MetadataIndex, Extent]:
     return cast(dict[MetadataIndex, Extent], md.storage_data)
 
 
+def _stock_record(location: Location, storage_options: Mapping[str, Any] | None,
+                  ) -> Metadata | None:
+    """A stock DCP checkpoint's metadata, unpickled (the caller trusts it); ``None`` if the
+    record at ``location`` is a dcp_plus one."""
+    reader = reader_for(location, storage_options, allow_pickle=True)
+    try:
+        if reader._record_bytes()[:1] != bytes([PICKLE_PROTOCOL_BYTE]):
+            return None
+        return reader.read_metadata()
+    finally:
+        reader.close()
+
+
+def _chunk_bytes(md: Metadata, index: MetadataIndex, stored: int) -> int:
+    """Raw bytes of the tensor chunk at ``index`` (``stored`` for a non-tensor item)."""
+    item = md.state_dict_metadata[index.fqn]
+    if not isinstance(item, TensorStorageMetadata):
+        return stored
+    offset = list(index.offset or [0] * len(item.size))
+    for chunk in item.chunks:
+        if list(chunk.offsets) == offset:
+            return math.prod(chunk.sizes) * item.properties.dtype.itemsize
+    return stored
+
+
+def _stock_rows(md: Metadata) -> list[tuple[MetadataIndex, dict[str, Any]]]:
+    """Rows of a stock record: its ``_StorageInfo`` entries (relative path, offset, stored
+    length; stock DCP may store a tensor serialized, larger than its bytes)."""
+    out = []
+    for index, info in cast(dict[MetadataIndex, Any], md.storage_data).items():
+        transforms = getattr(info, "transform_descriptors", None)
+        out.append((index, {"bytes": _chunk_bytes(md, index, info.length),
+                            "stored_bytes": info.length,
+                            "codec": "+".join(transforms) if transforms else "stock",
+                            "file": info.relative_path}))
+    return out
+
+
 def summarize(location: Location, storage_options: Mapping[str, Any] | None = None,
-              ) -> dict[str, Any]:
-    """Per-item rows (name, dtype, shape, bytes, codec, file) and totals, JSON-ready."""
-    md = load_record(location, storage_options)
+              *, allow_pickle: bool = False) -> dict[str, Any]:
+    """Per-item rows (name, dtype, shape, bytes, codec, file) and totals, JSON-ready.
+
+    ``allow_pickle``: also list a stock DCP checkpoint, unpickling its record (only for one
+    you trust); its rows have codec ``"stock"`` (or its transforms) and the stored length as
+    ``stored_bytes``.
+    """
+    md = _stock_record(location, storage_options) if allow_pickle else None
+    if md is not None:
+        entries = _stock_rows(md)
+    else:
+        md = load_record(location, storage_options)
+        entries = [(index, {"bytes": ext.raw_length, "stored_bytes": ext.length,
+                            "codec": ext.codec, "file": ext.file})
+                   for index, ext in _extents(md).items()]
     rows = []
-    for index, ext in sorted(_extents(md).items(), key=lambda kv: (kv[0].fqn, kv[1].offset)):
+    for index, fields in sorted(entries, key=lambda kv: (kv[0].fqn, kv[0].offset or ())):
         item = md.state_dict_metadata[index.fqn]
         row: dict[str, Any] = {"name": index.fqn, "chunk": None if index.offset is None
-                               else list(index.offset), "bytes": ext.raw_length,
-                               "stored_bytes": ext.length, "codec": ext.codec, "file": ext.file}
+                               else list(index.offset), **fields}
         if isinstance(item, TensorStorageMetadata):
             row.update(kind="tensor", dtype=dtype_name(item.properties.dtype),
                        shape=list(item.size))
