@@ -29,6 +29,7 @@ from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.schedule import AdaptiveInterval
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.stagers.device_copy import check_device_copy
+from dcp_plus.storage.rate import shaping_problem
 from dcp_plus.storage.urls import is_url
 from dcp_plus.writers import shutdown_pool
 
@@ -129,6 +130,15 @@ class DcpPlusCheckpointManager(CheckpointManager):
         writer_streams: int = 2
         """LocalWriter: ``O_DIRECT`` writes in flight per rank."""
 
+        writer_max_bytes_per_s: float | None = None
+        """Either writer: cap on each rank's data write rate in bytes per second (all of
+        its processes and streams together); ``None``: no cap."""
+
+        writer_stagger: float = 0.0
+        """Either writer: rank ``LOCAL_RANK`` starts writing its data ``LOCAL_RANK *
+        writer_stagger`` seconds into its background persist, so a node's ranks
+        interleave."""
+
         compression: Literal["identity", "zstd", "zstd+shuffle"] = "identity"
         """Codec for every tensor."""
 
@@ -170,6 +180,9 @@ class DcpPlusCheckpointManager(CheckpointManager):
             if self.adaptive_warmup < 1:
                 raise ValueError(
                     f"checkpoint.adaptive_warmup must be >= 1, got {self.adaptive_warmup}")
+            bad = shaping_problem(self.writer_max_bytes_per_s, self.writer_stagger)
+            if bad is not None:
+                raise ValueError(f"checkpoint.writer_{bad[0]} {bad[1]}")
             if self.writer == "local" and is_url(self.folder):
                 raise ValueError(f"checkpoint.writer='local' cannot write to the URL "
                                  f"{self.folder!r}; use writer='object_store' or 'auto'")
@@ -192,12 +205,16 @@ class DcpPlusCheckpointManager(CheckpointManager):
         self._executor = (AsyncCheckpointerType.PROCESS if config.async_executor == "process"
                           else AsyncCheckpointerType.THREAD)
         # the writer settings of either backend, checked now rather than at the first save
+        shaping: dict[str, Any] = {"max_bytes_per_s": config.writer_max_bytes_per_s,
+                                   "stagger": config.writer_stagger}
         self._writer_options: dict[type, Any] = {
             LocalWriterOptions: LocalWriterOptions(
                 workers=config.writer_workers, threads=config.writer_threads,
                 fsync=config.fsync, codec=config.compression,
-                direct_io=_DIRECT_IO[config.writer_direct_io], streams=config.writer_streams),
-            ObjectStoreWriterOptions: ObjectStoreWriterOptions(codec=config.compression)}
+                direct_io=_DIRECT_IO[config.writer_direct_io], streams=config.writer_streams,
+                **shaping),
+            ObjectStoreWriterOptions: ObjectStoreWriterOptions(codec=config.compression,
+                                                               **shaping)}
         if is_url(self.folder) and config.storage_options:
             log.warning("dcp_plus: checkpoint.storage_options reach dcp_plus's writer and "
                         "reader only; TorchTitan lists %s itself (resume step, keep_latest_k) "

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.codecs import Codec, resolve_codec
 from dcp_plus.storage.direct import DirectIO, direct_io_problem
+from dcp_plus.storage.rate import rate_problem
 
 _T = TypeVar("_T")
 _Check = Callable[[Any], str | None]
@@ -109,6 +110,14 @@ class _Writing(_Options):
     worker_nice: int = _setting(10, minimum=0, maximum=19)
     """CPU niceness of the worker processes, so that a persist running beside training
     yields the cores to the training step."""
+
+    max_bytes_per_s: float | None = _setting(None, check=rate_problem)
+    """Cap on the rate at which each rank's data bytes reach storage (all of its processes
+    and streams together); ``None``: no cap. A per-node cap: the node's budget / its ranks."""
+
+    stagger: float = _setting(0.0, minimum=0)
+    """Seconds between the persists of a node's ranks: rank ``LOCAL_RANK`` starts writing
+    ``LOCAL_RANK * stagger`` seconds into its background persist."""
 
 
 @dataclass(frozen=True, kw_only=True)

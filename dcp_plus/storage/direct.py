@@ -228,14 +228,17 @@ class DirectFile:
     buffered (so buffered writes never interleave with direct ones), fsyncs, and with
     ``drop_cache`` evicts the file from the page cache. Without ``direct``, or once the file
     system refuses O_DIRECT (``refused`` says why), everything goes through the page cache.
+    ``pace`` (a rate cap's ``Bucket.take``) is called before each write with its length.
     """
 
     def __init__(self, path: str, *, direct: bool, drop_cache: bool,
-                 between_chunks: Callable[[], None] | None = None) -> None:
+                 between_chunks: Callable[[], None] | None = None,
+                 pace: Callable[[int], None] | None = None) -> None:
         self.path = path
         self.drop_cache = drop_cache
         self.refused: str | None = None
         self._between = between_chunks
+        self._pace = pace
         self._tails: list[tuple[int, bytes]] = []
         self._lock = threading.Lock()
         self.fd = os.open(path, os.O_WRONLY)
@@ -268,7 +271,7 @@ class DirectFile:
             head = len(data) - len(data) % ALIGN
             try:
                 if head:
-                    pwrite_all(dfd, data[:head], offset, self._between)
+                    pwrite_all(dfd, data[:head], offset, self._between, self._pace)
             except OSError as e:
                 if e.errno not in REFUSALS:
                     raise
@@ -279,13 +282,13 @@ class DirectFile:
                     with self._lock:
                         self._tails.append((offset + head, bytes(data[head:])))
                 return
-        pwrite_all(self.fd, data[head:], offset + head, self._between)
+        pwrite_all(self.fd, data[head:], offset + head, self._between, self._pace)
 
     def finish(self, fsync: bool) -> None:
         """Write the kept tails, fsync (``fsync``), drop the cached pages, close."""
         try:
             for offset, tail in self._tails:
-                pwrite_all(self.fd, memoryview(tail), offset)
+                pwrite_all(self.fd, memoryview(tail), offset, pace=self._pace)
             if fsync:  # O_DIRECT bypasses the page cache, not the device cache or metadata
                 os.fsync(self.fd)
             if self.drop_cache:

@@ -42,6 +42,7 @@ from dcp_plus.storage.fileio import (
 )
 from dcp_plus.storage.nfs_errors import NFS_ERRORS
 from dcp_plus.storage.ranged import Segments, StoreConfig
+from dcp_plus.storage.rate import GRANT, Bucket
 from dcp_plus.storage.retry import Retry
 
 _NO_LINK = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK, errno.EXDEV})
@@ -50,12 +51,12 @@ _MISSING = (FileNotFoundError, NotADirectoryError)
 T = TypeVar("T")
 
 
-def _pieces(segments: Segments) -> list[tuple[int, memoryview]]:
+def _pieces(segments: Segments, size: int = PIECE) -> list[tuple[int, memoryview]]:
     out = []
     for off, data in segments:
         view = memoryview(data).cast("B") if memoryview(data).format != "B" else memoryview(data)
-        for a in range(0, len(view), PIECE):
-            out.append((off + a, view[a : a + PIECE]))
+        for a in range(0, len(view), size):
+            out.append((off + a, view[a : a + size]))
     return out
 
 
@@ -153,13 +154,19 @@ class DirStore(abc.ABC):
         return self._unless_missing(partial(self._read_all, name), None,
                                     f"read of {self.location(name)}")
 
-    def _write_file(self, name: str, segments: Segments, total: int) -> None:
-        pieces = _pieces(segments)
+    def _write_file(self, name: str, segments: Segments, total: int,
+                    pace: Bucket | None = None) -> None:
+        pieces = _pieces(segments, PIECE if pace is None else GRANT)
 
-        def attempt(_: int) -> None:
+        def write(h: Any, piece: tuple[int, memoryview]) -> None:
+            if pace is not None:
+                pace.take(len(piece[1]))
+            self._write_at(h, piece[1], piece[0])
+
+        def attempt(_: int) -> None:  # a rewrite after a failure is paced again
             h = self._open(name, write=True)
             try:
-                self._threads.map(lambda p: self._write_at(h, p[1], p[0]), pieces)
+                self._threads.map(partial(write, h), pieces)
                 self._finish_write(h, total)
             finally:
                 self._close(h)
@@ -209,10 +216,11 @@ class DirStore(abc.ABC):
     def _exists(self, name: str) -> bool:
         return self.sizes([name])[name] is not None
 
-    def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
+    def upload(self, objects: Sequence[tuple[str, Segments, int]],
+               pace: Bucket | None = None) -> None:
         self._makedirs()
         for name, segments, total in objects:
-            self._write_file(name, segments, total)
+            self._write_file(name, segments, total, pace)
         if objects:
             self._retry.call(lambda _: self._sync_dir(), f"directory sync of {self.url}")
 

@@ -8,6 +8,7 @@ import stat
 from collections.abc import Callable
 
 from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.storage.rate import GRANT
 
 CHUNK = 64 << 20  # bounded syscalls: progress checks between them stay responsive
 COALESCE_GAP = 64 << 10
@@ -15,12 +16,18 @@ MAX_IOV = 512
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int,
-               between_chunks: Callable[[], None] | None = None) -> None:
-    """Write all of ``data`` at ``offset`` (pwrite may write less than asked)."""
+               between_chunks: Callable[[], None] | None = None,
+               pace: Callable[[int], None] | None = None) -> None:
+    """Write all of ``data`` at ``offset`` (pwrite may write less than asked); with ``pace``
+    (a rate cap's ``Bucket.take``), in :data:`~dcp_plus.storage.rate.GRANT` pieces, each
+    paced before it is sent."""
     data = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    chunk = CHUNK if pace is None else GRANT
     done = 0
     while done < len(data):
-        n = os.pwrite(fd, data[done : done + CHUNK], offset + done)
+        if pace is not None:
+            pace(min(chunk, len(data) - done))
+        n = os.pwrite(fd, data[done : done + chunk], offset + done)
         if n <= 0:
             raise OSError(f"pwrite returned {n}")
         done += n

@@ -21,6 +21,7 @@ from dcp_plus.storage.ranged import (
     part_bounds,
     plan_requests,
 )
+from dcp_plus.storage.rate import GRANT, Bucket
 from dcp_plus.storage.retry import Retry
 
 
@@ -76,17 +77,21 @@ class FsspecStore(ReadsByExtents):
         if not getattr(self.fs, "async_impl", False):
             self.fs.makedirs(self.root, exist_ok=True)
 
-    def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
+    def upload(self, objects: Sequence[tuple[str, Segments, int]],
+               pace: Bucket | None = None) -> None:
         self._ensure_root()
 
         def one(obj: tuple[str, Segments, int]) -> None:
             name, segments, total = obj
             starts = [off for off, _ in segments]
-            bounds = part_bounds(total, self.config.part_size)
+            # paced: a stream is written in grants (a store buffering blocks sends blocks)
+            bounds = part_bounds(total, self.config.part_size if pace is None else GRANT)
 
             def attempt(_: int) -> None:
                 with self.fs.open(self._path(name), "wb") as f:
                     for a, b in bounds:
+                        if pace is not None:
+                            pace.take(b - a)
                         f.write(assemble(segments, starts, a, b))
             self._retry.call(attempt, f"upload of {self.location(name)}")
         self._threads.map(one, list(objects))

@@ -18,6 +18,7 @@ from dcp_plus.storage.fileio import (
     read_regular,
 )
 from dcp_plus.storage.ranged import Segments
+from dcp_plus.storage.rate import Bucket
 
 
 class LocalFileStore:
@@ -97,18 +98,21 @@ class LocalFileStore:
             fsync_dir(self.root)
         return created
 
-    def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
+    def upload(self, objects: Sequence[tuple[str, Segments, int]],
+               pace: Bucket | None = None) -> None:
         """Write each file's segments at their offsets (files made by :meth:`create` are
-        written in place, others created), then fsync it."""
+        written in place, others created), then fsync it; ``pace``: a rate cap."""
         for name, segments, size in objects:
-            self.write_file(name, segments, size)
+            self.write_file(name, segments, size, pace)
 
-    def write_file(self, name: str, segments: Segments, size: int) -> None:
+    def write_file(self, name: str, segments: Segments, size: int,
+                   pace: Bucket | None = None) -> None:
         """:meth:`upload` of one file (callable from several threads at once)."""
         fd = os.open(self.location(name), os.O_WRONLY | os.O_CREAT, 0o644)
+        take = None if pace is None else pace.take
         try:
             for offset, data in segments:
-                pwrite_all(fd, data, offset)
+                pwrite_all(fd, data, offset, pace=take)
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)
             if self.fsync:

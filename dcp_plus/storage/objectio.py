@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from dcp_plus.storage.fsspec_store import FsspecStore
 from dcp_plus.storage.ranged import Segments, StoreConfig
+from dcp_plus.storage.rate import Bucket
 
 __all__ = ["ExtentStore", "ObjectStore", "StoreConfig", "open_store"]
 
@@ -41,7 +42,11 @@ class ObjectStore(Protocol):
 
     def put(self, name: str, data: bytes, *, if_absent: bool) -> bool: ...
 
-    def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None: ...
+    def upload(self, objects: Sequence[tuple[str, Segments, int]],
+               pace: Bucket | None = None) -> None:
+        """Write each ``(name, segments, size)`` whole. With ``pace`` (a rate cap) each
+        write or request waits for its bytes' share of the budget before it is sent."""
+        ...
 
     def read(self, name: str, reads: Sequence[tuple[int, memoryview]]) -> None: ...
 

@@ -31,6 +31,7 @@ from dcp_plus.storage.ranged import (
     part_bounds,
     plan_requests,
 )
+from dcp_plus.storage.rate import Bucket
 from dcp_plus.storage.retry import Retry
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,13 @@ async def _unless_missing(request: Awaitable[Any]) -> Any:
         if status == 404 or code in ("NoSuchKey", "404", "NotFound"):
             return None
         raise
+
+
+async def _paced(pace: Bucket | None, n: int) -> None:
+    if pace is not None:
+        wait = pace.reserve(n)
+        if wait > 0:
+            await asyncio.sleep(wait)
 
 
 class S3Store(ReadsByExtents):
@@ -212,16 +220,21 @@ class S3Store(ReadsByExtents):
 
     # -- data -------------------------------------------------------------------------------
 
-    def upload(self, objects: Sequence[tuple[str, Segments, int]]) -> None:
+    def upload(self, objects: Sequence[tuple[str, Segments, int]],
+               pace: Bucket | None = None) -> None:
+        """Paced, a request waits for its whole body's share of the budget (the grain of
+        the cap is ``part_size``) without blocking the event loop."""
         async def run() -> None:
-            await gather_or_cancel([self._upload_one(*obj) for obj in objects])
+            await gather_or_cancel([self._upload_one(*obj, pace) for obj in objects])
         self._run(run)
 
-    async def _upload_one(self, name: str, segments: Segments, total: int) -> None:
+    async def _upload_one(self, name: str, segments: Segments, total: int,
+                          pace: Bucket | None) -> None:
         key = self.key(name)
         starts = [off for off, _ in segments]
         bounds = part_bounds(total, self.config.part_size)
         if len(bounds) <= 1:
+            await _paced(pace, total)
             body = assemble(segments, starts, 0, total)
             await self._call(f"PUT {self.location(name)}", "put_object", Key=key, Body=body,
                              **self._create_kw)
@@ -231,7 +244,7 @@ class S3Store(ReadsByExtents):
         upload_id = created["UploadId"]
         try:
             etags = await gather_or_cancel([
-                self._upload_part(name, upload_id, i + 1, segments, starts, a, b)
+                self._upload_part(name, upload_id, i + 1, segments, starts, a, b, pace)
                 for i, (a, b) in enumerate(bounds)])
             parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
             await self._complete(name, upload_id, parts, total)
@@ -240,8 +253,9 @@ class S3Store(ReadsByExtents):
             raise
 
     async def _upload_part(self, name: str, upload_id: str, number: int, segments: Segments,
-                           starts: list[int], a: int, b: int) -> str:
+                           starts: list[int], a: int, b: int, pace: Bucket | None) -> str:
         async def part(client: Any, _: int) -> str:
+            await _paced(pace, b - a)  # in a request slot: parts are paced as they are sent
             body = assemble(segments, starts, a, b)  # exists only while the part is in flight
             resp = await client.upload_part(Bucket=self.bucket, Key=self.key(name),
                                             UploadId=upload_id, PartNumber=number, Body=body,

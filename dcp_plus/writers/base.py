@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -29,6 +30,7 @@ from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.storage.location import StoreClient
+from dcp_plus.storage.rate import Bucket, check_shaping, shared_bucket, stagger_delay
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.extent_tables import build_extents, collect_extents, write_results
 from dcp_plus.writers.items import resolve_items
@@ -58,6 +60,29 @@ def new_save_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
+@dataclasses.dataclass(frozen=True)
+class PersistTiming:
+    """When this rank's last ``write_data`` ran (``time.time()`` seconds) and what it wrote.
+
+    Attributes:
+        started: ``write_data`` was called.
+        writing: the data write began (after the stagger): its first file was created.
+        write_s: how long writing every data file of the rank took (and fsyncing them,
+            where the writer does), on the monotonic clock.
+        data_bytes: the sizes of the rank's data files together.
+    """
+
+    started: float
+    writing: float
+    write_s: float
+    data_bytes: int
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The rank's data write rate (what ``max_bytes_per_s`` bounds)."""
+        return self.data_bytes / max(self.write_s, 1e-9)
+
+
 class CommittingWriter(StoreClient, StorageWriter):
     """Base of the dcp_plus writers; a subclass opens its store and names its settings.
 
@@ -69,8 +94,11 @@ class CommittingWriter(StoreClient, StorageWriter):
     touched. A failed ``write_data`` removes the files of its own save.
 
     Args (shared by every writer):
-        overwrite, codec, codecs, fence, allow_pickle: see :class:`~dcp_plus.LocalWriter`.
+        overwrite, codec, codecs, fence, allow_pickle, max_bytes_per_s, stagger: see
+            :class:`~dcp_plus.LocalWriter`.
         workers, worker_nice: the shared writer-process pool; ``workers=None``: no pool.
+
+    ``last_persist`` is the :class:`PersistTiming` of this rank's last save (None before).
     """
 
     _transient: tuple[str, ...] = ("_store_obj", "_feeder")
@@ -83,10 +111,12 @@ class CommittingWriter(StoreClient, StorageWriter):
     def __init__(self, path: str | os.PathLike, *, overwrite: bool, codec: str | Codec,
                  codecs: Mapping[str, str | Codec] | None, fence: Fence | None,
                  allow_pickle: bool, workers: int | None = None,
-                 worker_nice: int = DEFAULT_NICE) -> None:
+                 worker_nice: int = DEFAULT_NICE, max_bytes_per_s: float | None = None,
+                 stagger: float = 0.0) -> None:
         super().__init__()
         if workers is not None:
             check_pool_settings(type(self).__name__, workers, worker_nice)
+        check_shaping(type(self).__name__, max_bytes_per_s, stagger)
         self._set_location(path)
         self.overwrite = overwrite
         self.codecs = CodecChoice(codec, codecs)
@@ -94,6 +124,9 @@ class CommittingWriter(StoreClient, StorageWriter):
         self.allow_pickle = allow_pickle
         self.workers = workers or 0
         self.worker_nice = worker_nice
+        self.max_bytes_per_s = max_bytes_per_s
+        self.stagger = stagger
+        self.last_persist: PersistTiming | None = None
         self.save_id = new_save_id()
         self.rank = 0
         self.is_coordinator = True
@@ -101,9 +134,10 @@ class CommittingWriter(StoreClient, StorageWriter):
 
     # -- what a subclass provides -----------------------------------------------------------
 
-    def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
+    def _worker_jobs(self, files: list[FilePlan], pace: Bucket | None) -> list[Job]:
         """One worker-pool job per slab-backed file; only called for stores that another
-        process can write (``uploads_from_any_process``) and writers with ``workers``."""
+        process can write (``uploads_from_any_process``) and writers with ``workers``.
+        ``pace``: the save's rate cap, whose ``limit`` the jobs carry."""
         raise NotImplementedError
 
     def _prepare(self, names: list[str]) -> list[str]:
@@ -111,16 +145,17 @@ class CommittingWriter(StoreClient, StorageWriter):
         the files it made, which a failed save removes again."""
         return []
 
-    def _write_in_process(self, files: list[FilePlan]) -> dict[int, str]:
-        """Checksum and write ``files`` from this process; the checksums by ``id(item)``.
-        One upload of every file: the store spreads it over its own requests in flight."""
+    def _write_in_process(self, files: list[FilePlan], pace: Bucket | None) -> dict[int, str]:
+        """Checksum and write ``files`` from this process, paced by ``pace``; the checksums
+        by ``id(item)``. One upload of every file: the store spreads it over its own
+        requests in flight."""
         sums: dict[int, str] = {}
         objects = []
         for fp in files:
             sums.update((id(r), checksum_bytes(r.data)) for r, _ in fp.placed)
             objects.append((fp.name, segments_of(fp), fp.size))
         if objects:
-            self._store.upload(objects)
+            self._store.upload(objects, pace)
         return sums
 
     def plan_cache_key(self) -> str:
@@ -172,6 +207,7 @@ class CommittingWriter(StoreClient, StorageWriter):
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        started = time.time()
         info = plan.storage_data
         if not isinstance(info, RankInfo):
             info = RankInfo(self.rank)
@@ -181,9 +217,18 @@ class CommittingWriter(StoreClient, StorageWriter):
         slab_files, other_files = plan_files(items, info.rank, self.save_id, self._bins,
                                              slab_parts=self._slab_parts)
         files = slab_files + other_files
+        # the persist's own thread waits (async saves: not the trainer's); planning and the
+        # commit are not held back, only this rank's data write
+        delay = stagger_delay(self.stagger, info.rank)
+        if delay > 0:
+            time.sleep(delay)
+        writing, clock = time.time(), time.monotonic()
         created = self._prepare([fp.name for fp in files])
         try:
-            sums = self._write_files(slab_files, other_files)
+            with shared_bucket(self.max_bytes_per_s) as pace:
+                sums = self._write_files(slab_files, other_files, pace)
+            self.last_persist = PersistTiming(started, writing, time.monotonic() - clock,
+                                              sum(fp.size for fp in files))
             extents = build_extents(files, raw_lengths, codec_names, sums)
             results = write_results(info.rank, info.world, self.save_id, extents,
                                     self._put_table)
@@ -194,20 +239,22 @@ class CommittingWriter(StoreClient, StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _write_files(self, slab_files: list[FilePlan],
-                     other_files: list[FilePlan]) -> dict[int, str]:
-        """Write the planned files; the content checksums by ``id(item)``. Slab-backed files
-        go to the worker pool (on this thread) while the rest are written on a feeder thread."""
+    def _write_files(self, slab_files: list[FilePlan], other_files: list[FilePlan],
+                     pace: Bucket | None) -> dict[int, str]:
+        """Write the planned files, every byte paced by ``pace`` (None: uncapped); the
+        content checksums by ``id(item)``. Slab-backed files go to the worker pool (on this
+        thread) while the rest are written on a feeder thread."""
         store = self._store
         in_workers = slab_files if self.workers and store.uploads_from_any_process else []
         in_process = other_files if in_workers else slab_files + other_files
         if not in_workers:
-            return self._write_in_process(in_process)
+            return self._write_in_process(in_process, pace)
         if self._feeder is None:
             self._feeder = ThreadPoolExecutor(1, thread_name_prefix="dcpp-upload")
-        pending = self._feeder.submit(self._write_in_process, in_process)
+        pending = self._feeder.submit(self._write_in_process, in_process, pace)
         try:
-            jobs = self._worker_jobs(in_workers)  # one job per file: never two writers to one
+            # one job per file: never two writers to one
+            jobs = self._worker_jobs(in_workers, pace)
             sums = checksums_by_item(in_workers,
                                      shared_pool(self.workers, self.worker_nice).run(jobs))
         finally:

@@ -25,13 +25,13 @@ def _bytes(data: memoryview) -> memoryview:
 
 
 def write_segments(path: str, segments: Segments, size: int, *, direct: bool, streams: int,
-                   fsync: bool) -> None:
+                   fsync: bool, pace: Callable[[int], None] | None = None) -> None:
     """Write ``(offset, bytes)`` ``segments`` (not overlapping) into the existing empty file
     ``path`` of final length ``size``, fsync it (``fsync``) and drop it from the page cache.
     Without ``direct`` (a file system refusing O_DIRECT) the segments are written buffered as
-    they are, with no copy."""
+    they are, with no copy. ``pace``: see :class:`~dcp_plus.storage.direct.DirectFile`."""
     segs = sorted(((off, _bytes(d)) for off, d in segments if len(d)), key=lambda s: s[0])
-    f = DirectFile(path, direct=direct, drop_cache=True)
+    f = DirectFile(path, direct=direct, drop_cache=True, pace=pace)
     try:
         if not f.direct:
             for off, data in segs:

@@ -11,6 +11,7 @@ from dcp_plus.format.codecs import Codec
 from dcp_plus.storage.direct import DirectIO, check_direct_io, use_direct
 from dcp_plus.storage.fanout import Threads
 from dcp_plus.storage.localfs import LocalFileStore
+from dcp_plus.storage.rate import Bucket
 from dcp_plus.storage.urls import is_url
 from dcp_plus.writers.base import CommittingWriter, Fence, segments_of
 from dcp_plus.writers.bounce import write_segments
@@ -51,6 +52,20 @@ class LocalWriter(CommittingWriter):
             written by several streams at distinct offsets (preallocated with ``fallocate``).
         worker_nice: CPU niceness of the worker processes (0-19, default 10), so that a
             persist running beside training yields the cores to the training step.
+        max_bytes_per_s: cap on the rate at which this rank's data bytes reach storage,
+            across its worker processes, threads and streams together (one token bucket they
+            share, in 4 MiB grants: over any ``T`` seconds at most ``max_bytes_per_s * T`` +
+            4 MiB are sent). ``None`` (default): no cap, no pacing cost. For a per-node cap
+            divide the node's budget by its ranks. The commit record and extent tables are
+            not paced.
+        stagger: seconds between the persists of the ranks of a node: rank ``r`` starts
+            writing its data ``LOCAL_RANK * stagger`` seconds after its ``write_data``
+            begins (``LOCAL_RANK`` as torchrun sets it; the global rank where it is unset),
+            so that the ranks sharing a node's disk or NIC interleave instead of bursting
+            together; at most ``(ranks per node - 1) * stagger``. It waits on the persist's
+            thread (the background one with ``async_save`` / ``CheckpointManager``; plain
+            ``dcp.save`` waits in the caller); planning and the commit are not delayed
+            beyond the data write. Default 0.
         codec, codecs: how tensors are stored (default ``"identity"``; ``"zstd"``,
             ``"zstd+shuffle"`` or a ``ZstdCodec``), and per-name overrides
             ``{fnmatch pattern: codec}``. Encoded tensors are written by this process's
@@ -67,12 +82,14 @@ class LocalWriter(CommittingWriter):
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, workers: int = 2,
                  threads: int = 2, fsync: bool = True, direct_io: DirectIO = "auto",
                  streams: int = 2,
-                 worker_nice: int = DEFAULT_NICE, codec: str | Codec = "identity",
+                 worker_nice: int = DEFAULT_NICE, max_bytes_per_s: float | None = None,
+                 stagger: float = 0.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None,
                  fence: Fence | None = None,
                  allow_pickle: bool = False) -> None:
         super().__init__(path, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
-                         allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice)
+                         allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice,
+                         max_bytes_per_s=max_bytes_per_s, stagger=stagger)
         if threads < 1:
             raise ValueError(f"LocalWriter threads must be >= 1, got {threads}")
         if streams < 1:
@@ -110,17 +127,18 @@ class LocalWriter(CommittingWriter):
         """Each file's share of ``streams`` when ``files`` are written ``parallel`` at once."""
         return -(-self.streams // max(1, min(files, parallel))) if self._direct else 1
 
-    def _write_in_process(self, files: list[FilePlan]) -> dict[int, str]:
+    def _write_in_process(self, files: list[FilePlan], pace: Bucket | None) -> dict[int, str]:
         # one file per thread, each item checksummed just before it is written (still hot)
         streams = self._streams_per_file(len(files), self.threads)
 
         def write(fp: FilePlan) -> dict[int, str]:
             sums = {id(r): checksum_bytes(r.data) for r, _ in fp.placed}
             if self.direct_io is False:
-                self._files.write_file(fp.name, segments_of(fp), fp.size)
+                self._files.write_file(fp.name, segments_of(fp), fp.size, pace)
             else:
                 write_segments(self._files.location(fp.name), segments_of(fp), fp.size,
-                               direct=self._direct, streams=streams, fsync=self.fsync)
+                               direct=self._direct, streams=streams, fsync=self.fsync,
+                               pace=None if pace is None else pace.take)
             return sums
 
         out: dict[int, str] = {}
@@ -135,8 +153,9 @@ class LocalWriter(CommittingWriter):
         self._threads.close()
         super().close()
 
-    def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
+    def _worker_jobs(self, files: list[FilePlan], pace: Bucket | None) -> list[Job]:
         streams = self._streams_per_file(len(files), self.workers)
+        rate = None if pace is None else pace.limit
         return [WriteJob(os.path.abspath(os.path.join(self.path, fp.name)), fp.slab_ranges(),
-                         self.fsync, self._direct, streams, self.direct_io is not False)
+                         self.fsync, self._direct, streams, self.direct_io is not False, rate)
                 for fp in files]

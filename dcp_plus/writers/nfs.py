@@ -40,6 +40,8 @@ class NFSWriter(CommittingWriter):
         codec, codecs: as for :class:`~dcp_plus.writers.LocalWriter`.
         export: the export path for ``nfs://`` when it has more than one component
             (default: the URL's first path component).
+        max_bytes_per_s, stagger: as for :class:`~dcp_plus.writers.LocalWriter` (paced in
+            4 MiB writes).
         fence, allow_pickle: as for :class:`~dcp_plus.writers.LocalWriter`.
 
     Raises:
@@ -52,10 +54,12 @@ class NFSWriter(CommittingWriter):
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None,
-                 export: str | None = None, fence: Fence | None = None,
+                 export: str | None = None, max_bytes_per_s: float | None = None,
+                 stagger: float = 0.0, fence: Fence | None = None,
                  allow_pickle: bool = False) -> None:
         super().__init__(path, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
-                         allow_pickle=allow_pickle)
+                         allow_pickle=allow_pickle, max_bytes_per_s=max_bytes_per_s,
+                         stagger=stagger)
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(concurrency=concurrency,
                                   retry=RetryPolicy(max_retries, retry_base_delay,

@@ -9,6 +9,7 @@ from typing import Any
 
 from dcp_plus.format.codecs import Codec
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
+from dcp_plus.storage.rate import Bucket
 from dcp_plus.storage.retry import RetryPolicy
 from dcp_plus.storage.urls import names_location
 from dcp_plus.writers.base import CommittingWriter, Fence
@@ -46,6 +47,9 @@ class ObjectStoreWriter(CommittingWriter):
             by these processes from ``(slab, offset, length)`` descriptors, one object per
             slab, so the trainer's threads only do bookkeeping; other data (and every other
             filesystem, ``memory://`` being per process) is uploaded by this process.
+        max_bytes_per_s, stagger: as for :class:`~dcp_plus.writers.LocalWriter`; on S3 a
+            request waits for its whole body's share, so the cap's grain is ``part_size``
+            (a smaller ``part_size`` shapes finer; other filesystems are paced in 4 MiB).
         fence, allow_pickle: as for :class:`~dcp_plus.writers.LocalWriter`.
 
     Raises:
@@ -58,10 +62,12 @@ class ObjectStoreWriter(CommittingWriter):
                  max_retries: int = 5, retry_base_delay: float = 0.2,
                  retry_max_delay: float = 10.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None, workers: int = 2,
-                 worker_nice: int = DEFAULT_NICE, fence: Fence | None = None,
+                 worker_nice: int = DEFAULT_NICE, max_bytes_per_s: float | None = None,
+                 stagger: float = 0.0, fence: Fence | None = None,
                  allow_pickle: bool = False) -> None:
         super().__init__(url, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
-                         allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice)
+                         allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice,
+                         max_bytes_per_s=max_bytes_per_s, stagger=stagger)
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(part_size=part_size, concurrency=concurrency,
                                   retry=RetryPolicy(max_retries, retry_base_delay,
@@ -74,11 +80,12 @@ class ObjectStoreWriter(CommittingWriter):
     def _open_store(self) -> ObjectStore:
         return open_store(self.path, self.storage_options, self.config)
 
-    def _worker_jobs(self, files: list[FilePlan]) -> list[Job]:
+    def _worker_jobs(self, files: list[FilePlan], pace: Bucket | None) -> list[Job]:
         # the workers upload side by side: together they keep `concurrency` requests in flight
         side_by_side = min(self.workers, len(files))
         config = dataclasses.replace(
             self.config, concurrency=max(1, self.config.concurrency // side_by_side))
+        rate = None if pace is None else pace.limit
         return [UploadJob(self.path, self.storage_options, config, fp.name, fp.size,
-                          fp.slab_ranges())
+                          fp.slab_ranges(), rate)
                 for fp in files]

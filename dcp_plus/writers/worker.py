@@ -24,6 +24,7 @@ from typing import Any
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.storage.direct import ALIGN, DirectFile
 from dcp_plus.storage.fanout import in_streams
+from dcp_plus.storage.rate import Bucket, RateLimit
 
 SHM_DIR = "/dev/shm"
 # Only alignment padding (< 4 KiB, zeros in a stager slab) is written between extents: a
@@ -52,6 +53,8 @@ class WriteJob:
     """Threads writing this file's pieces concurrently (O_DIRECT streams)."""
     drop_cache: bool = False
     """Evict the file from the page cache after the fsync (the buffered tails, fallbacks)."""
+    rate: RateLimit | None = None
+    """The rank's shared write budget (``max_bytes_per_s``); None: uncapped."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,8 @@ class UploadJob:
     name: str
     total: int
     ranges: list[tuple[str, int, int, int]]
+    rate: RateLimit | None = None
+    """As for :class:`WriteJob`."""
 
     @property
     def path(self) -> str:
@@ -143,23 +148,31 @@ def coalesce(ranges: list[tuple[str, int, int, int]]) -> list[tuple[str, int, in
     return out
 
 
-def run_upload(job: UploadJob, maps: _Mappings) -> list[str]:
+def run_upload(job: UploadJob, maps: _Mappings, pace: Bucket | None) -> list[str]:
     from dcp_plus.storage.objectio import open_store  # fsspec/s3fs: only in uploading workers
 
     sums = maps.checksums(job.ranges)
     segments = [(ooff, maps.view(slab, soff, n)) for slab, soff, ooff, n in coalesce(job.ranges)]
     store = open_store(job.url, job.storage_options, job.config)
     try:
-        store.upload([(job.name, segments, job.total)])
+        store.upload([(job.name, segments, job.total)], pace)
     finally:
         store.close()
     return sums
 
 
 def run_job(job: Job, maps: _Mappings, parent: int) -> list[str]:
-    if isinstance(job, UploadJob):
-        return run_upload(job, maps)
+    pace = None if job.rate is None else job.rate.open()
+    try:
+        if isinstance(job, UploadJob):
+            return run_upload(job, maps, pace)
+        return run_write(job, maps, parent, pace)
+    finally:
+        if pace is not None:
+            pace.close()
 
+
+def run_write(job: WriteJob, maps: _Mappings, parent: int, pace: Bucket | None) -> list[str]:
     def check_parent() -> None:
         if os.getppid() != parent:
             raise ParentGone
@@ -167,7 +180,7 @@ def run_job(job: Job, maps: _Mappings, parent: int) -> list[str]:
     sums = maps.checksums(job.ranges)
     runs = [r for r in coalesce(job.ranges) if r[3]]
     f = DirectFile(job.path, direct=job.direct, drop_cache=job.drop_cache,
-                   between_chunks=check_parent)
+                   between_chunks=check_parent, pace=None if pace is None else pace.take)
     try:
         if job.streams > 1 and len(runs) > 0:
             f.preallocate(max(foff + n for _, _, foff, n in runs))

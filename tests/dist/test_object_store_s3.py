@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -273,6 +274,31 @@ def test_slab_data_is_uploaded_by_the_worker_pool_bit_exact(seaweed: SeaweedServ
         sd = slab_state(slab)
         dcp.save(sd, storage_writer=ObjectStoreWriter(url, opts, part_size=5 * MiB))
         assert worker_pids(), "no writer worker ran"
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=ObjectStoreReader(url, opts), planner=SafeLoadPlanner())
+        assert_bit_exact(out, sd)
+
+
+def test_capped_uploads_by_workers_and_trainer_stay_under_the_cap(seaweed: SeaweedServer,
+                                                                  prefix: str) -> None:
+    from dcp_plus.storage.rate import GRANT
+
+    opts, url = seaweed.storage_options(), f"s3://{BUCKET}/{prefix}"
+    cap, part = 16 * MiB, 5 * MiB
+    with registered_slab(24 * MiB) as slab:
+        t = slab.tensor()
+        fill_pattern(t, seed=4)
+        sd = {"big": t[: 20 * MiB].view(torch.float32),  # 4 parts, uploaded by the workers
+              "plain": torch.randn(GRANT // 4, generator=torch.Generator().manual_seed(6))}
+        writer = ObjectStoreWriter(url, opts, part_size=part, max_bytes_per_s=cap)
+        t0 = time.monotonic()
+        dcp.save(sd, storage_writer=writer)
+        wall = time.monotonic() - t0
+        assert worker_pids(), "no writer worker ran"
+        p = writer.last_persist
+        assert p is not None and p.data_bytes >= 24 * MiB
+        floor = (24 * MiB - part) / cap  # a request waits for its whole part: grain part_size
+        assert p.write_s >= floor and wall >= floor
         out = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(out, storage_reader=ObjectStoreReader(url, opts), planner=SafeLoadPlanner())
         assert_bit_exact(out, sd)

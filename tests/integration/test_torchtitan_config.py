@@ -41,7 +41,10 @@ def test_override_json_sets_the_adaptive_budget() -> None:
                                  {"compression": "lz4"}, {"adaptive_budget": 1.5},
                                  {"adaptive_budget": 0.05, "adaptive_warmup": 0},
                                  {"writer": "local", "folder": "s3://b/run"},
-                                 {"stager_device_copy": "sometimes"}])
+                                 {"stager_device_copy": "sometimes"},
+                                 {"writer_max_bytes_per_s": 0},
+                                 {"writer_max_bytes_per_s": float("inf")},
+                                 {"writer_stagger": -0.5}])
 def test_invalid_settings_are_refused_at_config_time(bad: dict) -> None:
     from dcp_plus.integrations.torchtitan import DcpPlusCheckpointManager
 
