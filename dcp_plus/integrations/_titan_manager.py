@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
 
+from dcp_plus.integrations._titan_errors import stock_checkpoint_hint
 from dcp_plus.integrations._titan_schedule import LoopSchedule
 from dcp_plus.manager.control import ControlGroup
 from dcp_plus.manager.object_backend import ObjectStoreBackend
@@ -379,7 +380,8 @@ class DcpPlusCheckpointManager(CheckpointManager):
             return
         planner = (DefaultLoadPlanner() if self.dcpp.allow_pickle_on_load
                    else SafeLoadPlanner())
-        dcp.load(state_dict, storage_reader=self.make_reader(checkpoint_id), planner=planner)
+        with stock_checkpoint_hint(checkpoint_id):
+            dcp.load(state_dict, storage_reader=self.make_reader(checkpoint_id), planner=planner)
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
 

@@ -272,3 +272,44 @@ def test_s3_checkpoints_through_torchtitan_resume_bit_exact(
     # G's saves (9, and the model-only last step) are in the bucket, committed
     assert fs.exists(f"{folder.removeprefix('s3://')}/step-9/.metadata")
     assert fs.exists(f"{folder.removeprefix('s3://')}/step-{STEPS}/.metadata")
+
+
+@pytest.fixture(scope="module")
+def adopted(titan: dict[str, Any]) -> dict[str, Any]:
+    """A stock TorchTitan job (S, no dcp_plus) killed at step 8 leaves stock checkpoints; the
+    same job rerun with dcp_plus (T) refuses them, naming the setting; rerun with that setting
+    (U) it resumes."""
+    root = titan["root"]
+    dump = root / "S"
+    override = "dcp_plus.integrations.torchtitan.use_dcp_plus"
+    out: dict[str, Any] = {"root": root, "dump": dump}
+    out["S"] = _job(root, "S", "stock_cpu", dump, [], {"DCPP_TITAN_KILL_AT": str(KILL_AT)})
+    out["S_committed"] = _committed_steps(dump / "checkpoint")
+    out["T"] = _job(root, "T", "stock_cpu", dump, ["--override.imports", override])
+    out["U"] = _job(root, "U", "stock_cpu", dump,
+                    ["--override.imports", f'{override}={{"allow_pickle_on_load": true}}'])
+    return out
+
+
+def test_adopting_dcp_plus_on_stock_checkpoints_names_the_setting_and_then_resumes(
+        titan: dict[str, Any], adopted: dict[str, Any]) -> None:
+    root, dump = adopted["root"], adopted["dump"]
+    committed = adopted["S_committed"]
+    assert committed and committed[-1] in (3, 6), committed
+    assert all(code != 0 for code in adopted["T"])
+    # the error the job ends with (DCP also logs the reader's own one on its way)
+    final = [line for line in (root / "T.rank0.log").read_text().splitlines()
+             if "UnsafeCheckpointError:" in line][-1]
+    assert "written by stock DCP" in final and "checkpoint.allow_pickle_on_load" in final
+    assert "use_dcp_plus={\"allow_pickle_on_load\": true}" in final
+    assert "LocalReader" not in final  # not the reader API a TorchTitan user never calls
+    assert adopted["U"] == [0, 0], log_tail(root, "U")
+    resumed_from = committed[-1]
+    assert f"Loading the checkpoint from {dump / 'checkpoint' / f'step-{resumed_from}'}" \
+        in (root / "U.rank0.log").read_text()
+    a, u = _losses(root / "A.losses.jsonl"), _losses(root / "U.losses.jsonl")
+    assert sorted(u) == list(range(resumed_from + 1, STEPS + 1))
+    for step, loss in u.items():
+        assert loss == a[step], (step, loss, a[step])
+    record = (dump / "checkpoint" / "step-9" / ".metadata").read_bytes()
+    assert record[:1] == b"{"  # saved by dcp_plus from then on

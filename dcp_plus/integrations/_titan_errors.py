@@ -1,0 +1,54 @@
+"""Errors a TorchTitan user meets, said in TorchTitan's terms (its settings, its flags)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from dcp_plus.errors import UnsafeCheckpointError
+from dcp_plus.manager.handle import rank_causes
+
+ALLOW_PICKLE_OVERRIDE = (
+    "--override.imports 'dcp_plus.integrations.torchtitan.use_dcp_plus="
+    '{"allow_pickle_on_load": true}\'')
+"""The command-line form of ``checkpoint.allow_pickle_on_load`` that TorchTitan accepts (its
+own ``--checkpoint.*`` flags are parsed before the override adds the field)."""
+
+
+STOCK_RECORD = "was written by stock DCP"
+"""In the readers' ``UnsafeCheckpointError``; some torch releases hand DCP's caller only the
+message of a reader's error (``AssertionError: metadata is None; ...``), not the error."""
+
+
+def _unsafe(exc: BaseException) -> BaseException | None:
+    """The reader's "stock checkpoint" error behind ``exc`` (DCP wraps reader errors per
+    rank), or ``None``."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, UnsafeCheckpointError) or STOCK_RECORD in str(e):
+            return e
+        todo.extend(c for _, c in rank_causes(e) if c is not e)
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return None
+
+
+@contextmanager
+def stock_checkpoint_hint(checkpoint_id: str) -> Iterator[None]:
+    """Turn "this checkpoint is a stock DCP one" into the TorchTitan setting that loads it."""
+    try:
+        yield
+    except BaseException as e:
+        if _unsafe(e) is None:
+            raise
+        raise UnsafeCheckpointError(
+            f"{checkpoint_id} was written by stock DCP (TorchTitan without dcp_plus): its "
+            ".metadata is a pickle, and unpickling can run arbitrary code, so dcp_plus does "
+            "not load it by default. Only if you trust it, set checkpoint.allow_pickle_on_load:"
+            f" on the command line {ALLOW_PICKLE_OVERRIDE}, or in a recipe "
+            "with_dcp_plus(config, allow_pickle_on_load=True). Checkpoints saved from then on "
+            "are dcp_plus ones") from None
