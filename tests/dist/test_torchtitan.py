@@ -313,3 +313,26 @@ def test_adopting_dcp_plus_on_stock_checkpoints_names_the_setting_and_then_resum
         assert loss == a[step], (step, loss, a[step])
     record = (dump / "checkpoint" / "step-9" / ".metadata").read_bytes()
     assert record[:1] == b"{"  # saved by dcp_plus from then on
+
+
+def test_converted_to_stock_dcp_a_step_resumes_in_stock_torchtitan(
+        titan: dict[str, Any], adopted: dict[str, Any]) -> None:
+    import subprocess
+    import sys
+
+    root = titan["root"]
+    src = adopted["dump"] / "checkpoint" / "step-9"  # saved by dcp_plus (job U)
+    assert (src / ".metadata").read_bytes()[:1] == b"{"
+    dump = root / "V"
+    dst = dump / "checkpoint" / "step-9"
+    dst.parent.mkdir(parents=True)
+    conv = subprocess.run([sys.executable, "-m", "dcp_plus", "convert", str(src), str(dst),
+                           "--to", "dcp"], capture_output=True, text=True, timeout=300)
+    assert conv.returncode == 0, conv.stderr
+    assert (dst / ".metadata").read_bytes()[:1] != b"{"  # a stock (pickled) record
+    assert _job(root, "V", "stock_cpu", dump, []) == [0, 0], log_tail(root, "V")
+    assert f"Loading the checkpoint from {dst}" in (root / "V.rank0.log").read_text()
+    a, v = _losses(root / "A.losses.jsonl"), _losses(root / "V.losses.jsonl")
+    assert sorted(v) == list(range(10, STEPS + 1))
+    for step, loss in v.items():
+        assert loss == a[step], (step, loss, a[step])
