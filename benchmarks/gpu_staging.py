@@ -27,10 +27,12 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +75,8 @@ def limits(nbytes: int, device: str) -> dict[str, float]:
     host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
     out = {"d2h_s": best_of(functools.partial(host.copy_, src, non_blocking=cuda), device)}
     host = torch.empty(0)
+    if cuda and hasattr(torch._C, "_host_emptyCache"):
+        torch._C._host_emptyCache()  # the pinned block stays cached otherwise
     other = torch.empty_like(src)
     out["hbm_s"] = best_of(functools.partial(other.copy_, src), device)
     src = other = torch.empty(0)
@@ -157,6 +161,8 @@ def part_a(size_gib: float, layers: int, saves: int, device: str) -> dict[str, A
                       f"{r['release_s'] * 1e3:.1f} | {r['staged_s'] * 1e3:.0f} | "
                       f"{r['staged_s'] / lim['d2h_s']:.2f}x | "
                       f"{r['release_s'] / lim['hbm_s']:.1f}x |", flush=True)
+            if isinstance(stager, ArenaStager):
+                got.append({"staged_bit_exact": staged_matches(stager, sd)})
         except (Exception, torch.distributed.checkpoint.api.CheckpointException) as e:
             print(f"| {name} | failed: {e!r:.200} |", flush=True)
             got.append({"error": repr(e)})
@@ -170,8 +176,23 @@ def part_a(size_gib: float, layers: int, saves: int, device: str) -> dict[str, A
     return {"tensors": n, "bytes": nbytes, "limits": lim, "cases": rows}
 
 
+def staged_matches(stager: ArenaStager, sd: dict[str, Any]) -> bool:
+    """Stage ``sd`` once more and compare every model weight and a moment with the live ones
+    (a timing of a snapshot that stages wrong bytes would mean nothing)."""
+    staged = stager.stage(sd).result()
+    ok = all(torch.equal(staged["model"][k], v.cpu()) for k, v in sd["model"].items())
+    first = next(iter(sd["optim"]["state"]))
+    ok = ok and torch.equal(staged["optim"]["state"][first]["exp_avg"],
+                            sd["optim"]["state"][first]["exp_avg"].cpu())
+    del staged
+    stager.wait_persisted(60)
+    print(f"# {stager.device_copy_status.mode}: staged bytes "
+          f"{'equal the live ones' if ok else 'DIFFER FROM THE LIVE ONES'}", flush=True)
+    return ok
+
+
 def _median_rows(rows: list[dict[str, Any]]) -> dict[str, float] | None:
-    rows = [r for r in rows if "error" not in r]
+    rows = [r for r in rows if "error" not in r and "blocking_s" in r]
     if not rows:
         return None
     keys = ("blocking_s", "release_s", "staged_s")
@@ -201,9 +222,12 @@ class GPT(torch.nn.Module):
 
 
 def part_b(params_m: float, steps: int, every: tuple[int, ...], out_dir: str,
-           device: str, batch: int, seq: int, budget_s: float) -> dict[str, Any]:
-    """Training overhead; a cell that would start after ``budget_s`` is skipped (noted)."""
+           device: str, batch: int, seq: int, budget_s: float,
+           emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Training overhead; an interval that would start after ``budget_s`` is skipped (noted).
+    ``emit(result)`` writes the results so far."""
     t_start = time.perf_counter()
+    params_m = fit_to_memory(params_m, out_dir)
     vocab, layers = 32_000, max(2, round(params_m / 60))
     d = int(math.sqrt(params_m * 1e6 / (12 * layers)))
     d = max(128, d - d % 128)  # heads of 128
@@ -224,7 +248,8 @@ def part_b(params_m: float, steps: int, every: tuple[int, ...], out_dir: str,
         if before_update is not None:
             before_update()
         opt.step()
-        sync(device)  # a step's time is the GPU's, not the launch queue's
+        if device.startswith("cuda"):  # a step's time is the GPU's, not the launch queue's;
+            torch.cuda.current_stream().synchronize()  # not the stager's side stream
 
     for _ in range(3):
         step()
@@ -261,8 +286,6 @@ def part_b(params_m: float, steps: int, every: tuple[int, ...], out_dir: str,
     print(f"\n## Part B: {nparams / 1e6:.0f}M params (d={d}, {layers} layers; "
           f"{nparams * 12 / 1e9:.1f} GB checkpoint), batch {batch}x{seq}, step "
           f"{base * 1e3:.0f} ms on {device}", flush=True)
-    print("| stack | " + " | ".join(f"every {k}" for k in every) + " |")
-    print("|---|" + "---|" * len(every))
     stacks = [
         {"name": "dcp_plus (LocalWriter + CachedSavePlanner + ArenaStager guard)",
          "writer": LocalWriter, "planner": CachedSavePlanner(), "stager": ArenaStager(),
@@ -273,31 +296,56 @@ def part_b(params_m: float, steps: int, every: tuple[int, ...], out_dir: str,
          "stager": dcp_best(device), "kind": T, "guarded": False},
     ]
     result: dict[str, Any] = {"params": nparams, "d": d, "layers": layers, "step_s": base,
-                              "stacks": {}}
-    for stack in stacks:
-        guard = stack["stager"].guard(opt) if stack["guarded"] else None
-        cells, got = [], {}
+                              "cells": {}}
+
+    def cell(stack: dict[str, Any], k: int, n: int) -> float:
+        guard = stack["stager"].guard(opt, prefault=False) if stack["guarded"] else None
         try:
-            run(1, stack, 2)  # warm-up: the first save allocates
-            for k in every:
-                if time.perf_counter() - t_start > budget_s:
-                    cells.append("skipped (time budget)")
-                    continue
-                n = max(steps, 2 * k)
-                again = run(None, None, n)
-                t = run(k, stack, n)
-                got[k] = {"step_s": t, "base_s": again, "overhead": t / again - 1}
-                cells.append(f"{(t / again - 1) * 100:+.2f}%")
-        except (Exception, torch.distributed.checkpoint.api.CheckpointException) as e:
-            cells.append(f"failed: {e!r:.120}")
-            got["error"] = repr(e)
+            return run(k, stack, n)
         finally:
             if guard is not None:
                 guard.remove()
+
+    try:
+        for stack in stacks:
+            cell(stack, 1, 2)  # warm-up: the first save allocates
+        # k by k, both stacks side by side, so a cut by the time budget cuts both alike
+        for k in every:
+            row = result["cells"].setdefault(f"every {k}", {})
+            if time.perf_counter() - t_start > budget_s:
+                row["skipped"] = "time budget"
+                print(f"| every {k} | skipped (time budget) |", flush=True)
+                continue
+            n = max(2 * k, steps if k > 1 else 4)  # every step: a few saves say enough
+            again = run(None, None, n)
+            for stack in stacks:
+                try:
+                    t = cell(stack, k, n)
+                    row[stack["name"]] = {"step_s": t, "base_s": again, "overhead": t / again - 1}
+                    text = f"{(t / again - 1) * 100:+.2f}%"
+                except (Exception, torch.distributed.checkpoint.api.CheckpointException) as e:
+                    row[stack["name"]] = {"error": repr(e)}
+                    text = f"failed: {e!r:.120}"
+                print(f"| every {k} | {stack['name']} | {text} |", flush=True)
+            emit(result)
+    finally:
+        for stack in stacks:
             stack["stager"].close()
-        print(f"| {stack['name']} | " + " | ".join(cells) + " |", flush=True)
-        result["stacks"][stack["name"]] = got
     return result
+
+
+def fit_to_memory(params_m: float, out_dir: str) -> float:
+    """``params_m``, lowered so two stagers' copies (12 B per parameter each) fit in /dev/shm
+    and two checkpoints on the disk under ``out_dir``, with room to spare."""
+    ckpt = params_m * 1e6 * 12
+    st = os.statvfs("/dev/shm")
+    shm = st.f_bavail * st.f_frsize
+    disk = shutil.disk_usage(out_dir).free
+    fit = min(1.0, shm / (2.5 * ckpt), disk / (2.5 * ckpt))
+    if fit < 1.0:
+        print(f"# /dev/shm {shm / GiB:.0f} GiB, disk {disk / GiB:.0f} GiB free: training "
+              f"{params_m * fit:.0f}M parameters instead of {params_m:.0f}M", flush=True)
+    return params_m * fit
 
 
 def main() -> None:
@@ -311,7 +359,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=300.0, help="part B's time budget")
-    ap.add_argument("--every", default="1,5,20")
+    ap.add_argument("--every", default="5,20,1", help="part B intervals, in this order")
     ap.add_argument("--dir", default=None, help="part B checkpoint directory (a local disk)")
     ap.add_argument("--skip-a", action="store_true")
     ap.add_argument("--skip-b", action="store_true")
@@ -325,22 +373,37 @@ def main() -> None:
             "python": platform.python_version(), "gpu": gpu, "args": vars(args)}
     print(f"# {meta}", flush=True)
     out: dict[str, Any] = {"meta": meta}
+
+    def emit(training: dict[str, Any] | None = None) -> None:
+        if training is not None:
+            out["training"] = training
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+
+    # `timeout` sends SIGTERM: end through the finally below, which keeps the results
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     out_dir = tempfile.mkdtemp(prefix="dcpp-gpu-bench-", dir=args.dir)
+    code = 0
     try:
         with single_rank_world():
             if not args.skip_a:
                 out["staging"] = part_a(args.size_gib, args.layers, args.saves, args.device)
+                emit()
             if not args.skip_b:
-                out["training"] = part_b(
+                part_b(
                     args.params_m, args.steps, tuple(int(e) for e in args.every.split(",")),
-                    out_dir, args.device, args.batch, args.seq, args.budget_s)
+                    out_dir, args.device, args.batch, args.seq, args.budget_s, emit)
+    except BaseException as e:  # noqa: BLE001 - report, keep the results, and do not hang
+        traceback.print_exc()
+        out["error"] = repr(e)
+        code = 124 if isinstance(e, SystemExit) else 1
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1, default=str)
+        emit()
     sys.stdout.flush()
-    os._exit(0)  # a dead PROCESS-executor daemon leaves DCP's thread waiting forever
+    sys.stderr.flush()
+    os._exit(code)  # a dead PROCESS-executor daemon leaves DCP's thread waiting forever
 
 
 if __name__ == "__main__":

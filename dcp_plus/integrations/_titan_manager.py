@@ -356,9 +356,8 @@ class DcpPlusCheckpointManager(CheckpointManager):
             return
         begin = time.monotonic()
         assert self.stager is not None
-        self.stager.synchronize_staging()
-        self.staging_future.result()
-        self.staging_future = None
+        self.stager.synchronize_staging()  # in GPU mode: the device copy, not the host copy
+        self.staging_future = None  # (a failed snapshot fails the save's upload future too)
         waited = time.monotonic() - begin
         if self.saves:
             self.saves[-1].staging_wait_s += waited

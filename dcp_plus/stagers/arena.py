@@ -185,6 +185,8 @@ class Arena:
         shared by this arena's buffers: snapshots run one at a time."""
         self.on_device = [dev.startswith("cuda") for *_, dev in fingerprint]
         self.mirror_plan = plan_mirror(layout.extents, self.on_device)
+        self.mirror_failed = False
+        """The mirror could not be allocated (out of device memory): host copies from then on."""
         devices = {dev for *_, dev in fingerprint if dev.startswith("cuda")}
         self.cuda_device: int | None = (
             torch.device(devices.pop()).index or 0 if len(devices) == 1 else None

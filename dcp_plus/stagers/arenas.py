@@ -58,6 +58,7 @@ class ArenaSet:
         if cur is not None:
             logger.info("ArenaStager: state-dict structure changed; allocating a new arena")
             cur.retired = True
+            cur.drop_mirror()  # snapshots of the old structure are all copied by now
             self.drop_if_idle(cur)
         pin = any(dev != "cpu" for *_, dev in fp) and torch.cuda.is_available()
         arena = Arena(fp, plan_layout(fp, self.slab_bytes), pin=pin)

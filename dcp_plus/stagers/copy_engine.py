@@ -27,6 +27,10 @@ from dcp_plus.stagers.device_copy import Mirror, MirrorPlan, flat_bytes
 
 logger = logging.getLogger(__name__)
 
+FOREACH_MAX_BYTES = 1 << 20
+"""Larger same-device copies go to ``copy_`` (a ``cudaMemcpyAsync`` at copy-engine speed)
+rather than to ``_foreach_copy_``'s byte kernel."""
+
 CHUNK_BYTES = 16 << 20
 """Largest single ``copy_`` on the CPU path; bounds the imbalance between threads."""
 
@@ -66,15 +70,19 @@ def split_lanes(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], lanes: int) 
 def copy_bytes(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, non_blocking: bool = False
 ) -> None:
-    """Copy every ``(src, dst)`` pair: contiguous pairs on one device as raw bytes in one
-    foreach call (any dtype, fp8 included, one C++ loop instead of a Python one), the rest
-    (across devices, or not contiguous) one by one."""
+    """Copy every ``(src, dst)`` pair: small contiguous pairs on one device as raw bytes in
+    one foreach call (any dtype, fp8 included, one C++ loop instead of a Python one); large
+    ones, pairs across devices and strided ones by ``copy_`` each (a plain memcpy where it
+    can be one)."""
     srcs: list[torch.Tensor] = []
     dsts: list[torch.Tensor] = []
     with torch.no_grad():
         for s, d in pairs:
+            if s.device != d.device or s.nbytes >= FOREACH_MAX_BYTES:
+                d.copy_(s, non_blocking=non_blocking)
+                continue
             sb, db = flat_bytes(s), flat_bytes(d)
-            if sb is None or db is None or s.device != d.device:
+            if sb is None or db is None:
                 d.copy_(s, non_blocking=non_blocking)
             elif sb.numel():
                 srcs.append(sb)
@@ -213,22 +221,26 @@ class CopyEngine:
         ``stage()``; the device -> host copies are queued right behind the device copy.
         """
         stream = self._streams[mirror.device]
-        with torch.cuda.stream(stream):
-            if mirror.device in events:
-                stream.wait_event(events[mirror.device])
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            copy_bytes(to_mirror)
-            on_device = torch.cuda.Event(enable_timing=True)
-            on_device.record(stream)
-            copy_bytes(to_host, non_blocking=True)
-            on_host = torch.cuda.Event()
-            on_host.record(stream)
-        if cpu:
-            self._copy_cpu(cpu)
-        on_device.synchronize()
-        released(start.elapsed_time(on_device) / 1e3)
-        on_host.synchronize()
+        try:
+            with torch.cuda.stream(stream):
+                if mirror.device in events:
+                    stream.wait_event(events[mirror.device])
+                start = torch.cuda.Event(enable_timing=True, blocking=True)
+                start.record(stream)
+                copy_bytes(to_mirror)
+                on_device = torch.cuda.Event(enable_timing=True, blocking=True)
+                on_device.record(stream)
+                copy_bytes(to_host, non_blocking=True)
+                on_host = torch.cuda.Event(blocking=True)  # waits without spinning a core
+                on_host.record(stream)
+            if cpu:
+                self._copy_cpu(cpu)
+            on_device.synchronize()
+            released(start.elapsed_time(on_device) / 1e3)
+            on_host.synchronize()
+        except BaseException:
+            stream.synchronize()  # no copy may still write a buffer the caller frees
+            raise
 
     def allocate_mirror(
         self, plan: MirrorPlan, device: int, extents: Sequence[Any], on_device: Sequence[bool]

@@ -208,6 +208,11 @@ class DeviceCopyPolicy:
         self.margin_bytes = margin_bytes
         self.reason = "no snapshot yet"
         """Why the last snapshot did or did not use the mirror (diagnostics)."""
+        self._dropped: dict[int, tuple[int, int]] = {}  # device: (peak then, mirror bytes)
+
+    def dropped(self, device: int, nbytes: int) -> None:
+        """The mirror (``nbytes``) was just freed: training's peak so far still counts it."""
+        self._dropped[device] = (int(torch.cuda.max_memory_allocated(device)), nbytes)
 
     def margin(self, mem: DeviceMemory) -> int:
         """The safety margin on a device of ``mem.total`` bytes."""
@@ -227,18 +232,22 @@ class DeviceCopyPolicy:
         mem = DeviceMemory.read(device)
         need = plan.nbytes - (held.nbytes if held is not None else 0)
         margin = self.margin(mem)
-        ok = fits(mem.spare, mem.growth, need, margin)
+        growth = mem.growth
+        peak_then, freed = self._dropped.get(device, (-1, 0))
+        if mem.peak_allocated == peak_then:  # no new peak since: it held the freed mirror
+            growth -= freed
+        ok = fits(mem.spare, growth, need, margin)
         self.reason = (
             f"cuda:{device}: {mem.spare >> 20} MiB spare, training's peak needs "
-            f"{mem.growth >> 20} MiB more, the mirror {max(0, need) >> 20} MiB more, margin "
+            f"{max(0, growth) >> 20} MiB more, the mirror {max(0, need) >> 20} MiB more, margin "
             f"{margin >> 20} MiB: {'device copy' if ok else 'host copy'}"
         )
         return ok
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor | None:
-    """``t``'s bytes as a flat uint8 view, or ``None`` if ``t`` is not contiguous (the byte
-    copy then needs the typed view)."""
-    if not t.is_contiguous():
+    """``t``'s bytes as a flat uint8 view, or ``None`` if ``t`` is not contiguous or a lazy
+    conjugate/negative view (the copy then needs the typed ``copy_``)."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     return t.reshape(-1).view(torch.uint8)

@@ -150,13 +150,15 @@ class Snapshotter:
         """The arena's device mirror if this snapshot goes through one (allocated on first
         use, dropped when device memory no longer allows it), else ``None``."""
         policy = self._device
-        if policy.mode == "never" or arena.mirror_plan.nbytes == 0:
+        if policy.mode == "never" or arena.mirror_plan.nbytes == 0 or arena.mirror_failed:
             return None
         device = arena.cuda_device
         if device is None:
             policy.reason = "CUDA tensors on several devices: host copy"
             return None
         if not policy.choose(arena.mirror_plan, arena.mirror, device):
+            if arena.mirror is not None:
+                policy.dropped(device, arena.mirror.nbytes)
             arena.drop_mirror()
             return None
         if arena.mirror is None:
@@ -165,8 +167,11 @@ class Snapshotter:
                     arena.mirror_plan, device, arena.layout.extents, arena.on_device
                 )
             except torch.OutOfMemoryError as e:
+                # not again for this structure: each failed try empties training's cache
+                arena.mirror_failed = True
                 policy.reason = f"cuda:{device}: no memory for the device mirror: host copy"
-                logger.warning("ArenaStager: %s (%s)", policy.reason, e)
+                logger.warning("ArenaStager: %s, from now on for this state-dict structure "
+                               "(%s)", policy.reason, e)
                 return None
         return arena.mirror
 
@@ -183,7 +188,7 @@ class Snapshotter:
                 to_mirror.append((src, dev_view))
             elif not src.is_cuda:  # (an empty CUDA tensor has nothing to copy)
                 cpu.append((src, view))
-        to_host = [(buf.bases[s][a:b], mirror.bytes_of(s, a, b))
+        to_host = [(mirror.bytes_of(s, a, b), buf.bases[s][a:b])  # (source, destination)
                    for s, a, b in arena.mirror_plan.runs]
         device_s = 0.0
 

@@ -103,7 +103,8 @@ def one_gpu_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     port = free_port()
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+    # async_save needs a CPU backend beside NCCL
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1, device_id=torch.device("cuda", 0))
     try:
         yield init_device_mesh("cuda", (1,))
@@ -135,14 +136,38 @@ def test_guard_in_gpu_mode_waits_for_the_device_copy_then_training_goes_on():
     opt = torch.optim.SGD([p], lr=1.0)
     with ArenaStager(device_copy="always") as stager:
         stager.guard(opt)
-        torch.cuda._sleep(100_000_000)  # the update below queues behind this on the compute
-        fut = stager.stage({"p": p})  # stream; the snapshot must still see p == 1
+        stager.stage({"p": p}).result()  # creates the side stream (the staged dict is dropped)
+        assert stager.wait_persisted(30)
+        with torch.cuda.stream(stager._engine.streams()[0]):
+            torch.cuda._sleep(500_000_000)  # the device copy queues behind this: a guard that
+        fut = stager.stage({"p": p})  # let the update run before it would stage p == 0
         opt.step()
         staged = fut.result()
         assert bool((staged["p"] == 1.0).all())
         assert bool((p == 0.0).all())
         status = stager.device_copy_status
         assert status.last_device_copy_s is not None and status.held_bytes >= p.nbytes
+        del staged, fut
+
+
+def test_gpu_mode_releases_the_guard_before_the_copy_to_host_is_done(monkeypatch):
+    from dcp_plus.stagers import copy_engine
+
+    plain = copy_engine.copy_bytes
+
+    def slow_to_host(pairs, *, non_blocking=False):
+        if pairs and pairs[0][1].device.type == "cpu":
+            torch.cuda._sleep(1_000_000_000)  # the host copy queues behind ~0.5 s of sleep
+        plain(pairs, non_blocking=non_blocking)
+
+    monkeypatch.setattr(copy_engine, "copy_bytes", slow_to_host)
+    sd = {"w": torch.randn(4 << 20, device="cuda")}
+    with ArenaStager(device_copy="always") as stager:
+        fut = stager.stage(sd)
+        stager.synchronize_staging()
+        assert not fut.done()  # released after the device copy, the host copy still queued
+        staged = fut.result()
+        assert torch.equal(staged["w"], sd["w"].cpu())
         del staged, fut
 
 

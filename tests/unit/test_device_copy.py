@@ -3,6 +3,8 @@ memory test, option checking, the byte copies, and the host path it falls back t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -149,3 +151,50 @@ def test_adaptive_interval_keeps_gpu_mode_copy_times():
                                   device_copy_s=0.003))
     assert policy.tg.value == pytest.approx(0.003)
     assert "Tg=3.0ms" in policy.decisions[-1].describe()
+
+
+def test_gpu_mode_copies_the_mirror_into_the_slabs_and_releases_the_live_tensors_first():
+    """The GPU-mode plumbing with CPU stand-ins for the device: which bytes go where."""
+    import threading
+
+    from dcp_plus.stagers.arena import Arena
+    from dcp_plus.stagers.copy_engine import copy_bytes
+    from dcp_plus.stagers.snapshot import Snapshotter
+
+    fp = (("a", torch.uint8, (10,), (1,), "cuda:0"), ("b", torch.float32, (3,), (1,), "cpu"),
+          ("c", torch.int16, (5,), (1,), "cuda:0"))
+    arena = Arena(fp, plan_layout(fp, MiB), pin=False)
+    buf = arena.add_buffer()
+    try:
+        plan = arena.mirror_plan
+        backing = {s: torch.randint(0, 256, (hi,), dtype=torch.uint8)
+                   for s, (_lo, hi) in plan.bounds.items()}
+        views = [backing[e.slab][e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+                 if dev else None for e, dev in zip(arena.layout.extents, arena.on_device, strict=True)]
+        mirror = SimpleNamespace(device=0, views=views,
+                                 bytes_of=lambda s, a, b: backing[s][a:b])
+        order: list[str] = []
+
+        class Engine:
+            def copy_through_mirror(self, m, to_mirror, cpu, to_host, events, released):
+                copy_bytes(to_mirror)
+                copy_bytes(cpu)
+                released(0.004)
+                order.append("released")
+                copy_bytes(to_host)
+                order.append("on host")
+
+        holds = SimpleNamespace(reading=1)
+        snap = Snapshotter(threading.Condition(), None, None, None, holds, Engine(),  # type: ignore[arg-type]
+                           DeviceCopyPolicy("always"))
+        job = SimpleNamespace(reading=True, events={})
+        live = [torch.full((10,), 7, dtype=torch.uint8), torch.tensor([1.5, -2.0, 3.25]),
+                torch.arange(5, dtype=torch.int16)]
+        seconds = snap._copy_through(mirror, arena, buf, ["a", "b", "c"], live, frozenset(),
+                                     job)  # type: ignore[arg-type]
+        assert seconds == 0.004 and order == ["released", "on host"]
+        assert job.reading is False and holds.reading == 0  # the guard may go on
+        for view, src in zip(buf.views, live, strict=True):  # the slabs hold the snapshot
+            assert_bit_exact(view, src)
+    finally:
+        arena.free()
