@@ -6,11 +6,12 @@ STAMP  := $(VENV)/.installed
 DEMO_ARGS ?=
 
 BENCH_STAMP := $(VENV)/.installed-bench
+DEMO_STAMP  := $(VENV)/.installed-demo
 
 TITAN_VENV  := .venv-titan
 TITAN_STAMP := $(TITAN_VENV)/.installed
 
-.PHONY: demo test test-torchtitan nfs-server lint typecheck bench bench-compression gpu-wheels clean
+.PHONY: demo test api-docs test-torchtitan nfs-server lint typecheck bench bench-compression gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +19,14 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo needs only the package and its own dependencies, not the dev tools.
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e .
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/dcp-plus demo $(DEMO_ARGS)
 
 lint: $(STAMP)
@@ -27,7 +35,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: lint typecheck
+# The API reference from the docstrings (build/api/index.html); `make test` builds it too.
+api-docs: $(STAMP)
+	$(PY) -m tools.api_docs build/api
+
+test: lint typecheck api-docs
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(MAKE) test-torchtitan
 
