@@ -255,7 +255,12 @@ def test_manager_retention_removes_prefixed_objects(bucket: str) -> None:
             m.save(step, {"w": torch.full((1000,), float(step))}).result(timeout=60)
     names = objects(bucket)
     assert not [n for n in names if "step_00000001" in n]
-    assert [n.split("/")[0] for n in names if n.endswith(".dcpp")] == ["a"]
+    [data] = [n for n in names if n.endswith(".dcpp")]
+    assert data.startswith("a/run/step_00000002/")
+    backend = ObjectStoreBackend()
+    assert backend.verify(f"{root}/step_00000002") == []
+    FS.rm(f"/{bucket}/{data}")
+    assert "missing" in backend.verify(f"{root}/step_00000002")[0]
 
 
 def test_uncommitted_saves_are_cleaned_up_through_the_marker(bucket: str) -> None:
@@ -280,3 +285,20 @@ def test_a_hostile_marker_removes_nothing_outside_the_checkpoint(bucket: str) ->
                  encode_marker([RoundRobinPrefixes(["keep"])]))
     ObjectStoreBackend().remove_tree(f"{root}/step_00000001")  # its own folder under "keep"
     assert objects(bucket) == []
+
+
+def test_cli_verify_and_gc_follow_the_prefixes(bucket: str, capsys: Any) -> None:
+    from dcp_plus.cli.main import main
+
+    root = f"memory://{bucket}/run"
+    opts = ObjectStoreWriterOptions(key_prefixes=HexPrefixes(2))
+    with CheckpointManager(root, writer_options=opts, keep_last=None, interval=1) as m:
+        for step in (1, 2):
+            m.save(step, {"w": torch.full((1000,), float(step))}).result(timeout=60)
+    assert main(["verify", f"{root}/step_00000001"]) == 0
+    assert main(["gc", root, "--keep-last", "1"]) == 0
+    capsys.readouterr()
+    names = objects(bucket)
+    assert not [n for n in names if "step_00000001" in n]
+    assert [n for n in names if n.endswith(".dcpp")][0].startswith("00/run/step_00000002/")
+    assert main(["verify", f"{root}/step_00000002"]) == 0
