@@ -28,6 +28,9 @@ _EXPORTS = {
     "ObjectStoreReader": "dcp_plus.readers",
     "SafeLoadPlanner": "dcp_plus.planners",
     "ZstdCodec": "dcp_plus.format",
+    "BinaryPrefixes": "dcp_plus.format",
+    "HexPrefixes": "dcp_plus.format",
+    "RoundRobinPrefixes": "dcp_plus.format",
     "CheckpointExistsError": "dcp_plus.errors",
     "CheckpointFormatError": "dcp_plus.errors",
     "CheckpointNotFoundError": "dcp_plus.errors",
@@ -55,7 +58,7 @@ if TYPE_CHECKING:
         UnsafeValueError,
         WorkerError,
     )
-    from dcp_plus.format import ZstdCodec
+    from dcp_plus.format import BinaryPrefixes, HexPrefixes, RoundRobinPrefixes, ZstdCodec
     from dcp_plus.manager import (
         CheckpointManager,
         LocalReaderOptions,

@@ -18,6 +18,9 @@ _EXPORTS = {
     "new_hasher": "checksum",
     "IDENTITY": "codecs",
     "ZstdCodec": "codecs",
+    "BinaryPrefixes": "key_prefix",
+    "HexPrefixes": "key_prefix",
+    "RoundRobinPrefixes": "key_prefix",
     "get_codec": "codecs",
     "FORMAT_NAME": "record",
     "FORMAT_VERSION": "record",
@@ -31,6 +34,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from dcp_plus.format.checksum import checksum_bytes, new_hasher
     from dcp_plus.format.codecs import IDENTITY, ZstdCodec, get_codec
+    from dcp_plus.format.key_prefix import BinaryPrefixes, HexPrefixes, RoundRobinPrefixes
     from dcp_plus.format.layout import ALIGNMENT, align_up, data_file_name
     from dcp_plus.format.record import (
         FORMAT_NAME,

@@ -26,6 +26,7 @@ class Extent:
     codec: str
     checksum: str
     value: str | None = None
+    prefix: str | None = None
 
 
 def identity_of(fqn: str, chunk: tuple[int, ...] | list[int] | None, dtype_name: str | None,

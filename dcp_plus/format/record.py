@@ -6,7 +6,9 @@ extent per stored item. A checkpoint exists iff its record exists.
 Version 2 (written since dcp_plus 0.2) binds each extent's checksum to the extent's identity
 (:func:`~dcp_plus.format.extent.extent_identity`) and seals the record: its last field is
 ``"record_checksum"``, the xxh3-64 of the record's bytes without that field. Version 1
-records (neither) are still read. Either way the whole record is validated before any data
+records (neither) are still read. Version 3 is version 2 whose extents may name a key
+prefix (``"prefix"``: :mod:`dcp_plus.format.key_prefix`); a record is written as version 3
+only when one does, so that older readers refuse it clearly. Either way the whole record is validated before any data
 is read (:mod:`dcp_plus.format.record_checks`).
 """
 
@@ -34,6 +36,7 @@ from dcp_plus.format.layout import MAX_RECORD_BYTES
 from dcp_plus.format.record_checks import (
     check_extents_match_items,
     check_no_aliasing,
+    check_prefixes,
 )
 from dcp_plus.format.record_fields import (
     FieldParser,
@@ -50,7 +53,9 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_RECORD_BYTES", "RECORD_NAME", "
 
 FORMAT_NAME = "dcp_plus"
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+PREFIXED_VERSION = 3
+"""The version of a record whose data objects lie under key prefixes."""
+READABLE_VERSIONS = (1, 2, 3)
 RECORD_NAME = ".metadata"
 
 _TRAILER = re.compile(rb',"record_checksum":"([^"]{0,64})"\}\s*\Z')
@@ -81,7 +86,8 @@ def seal(body: bytes) -> bytes:
 
 
 def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -> bytes:
-    """Serialize DCP metadata and the extent table to the sealed version-2 record's bytes."""
+    """Serialize DCP metadata and the extent table to the sealed record's bytes (version 2;
+    3 when an extent has a key prefix)."""
     with _gc_paused():
         return _encode_record(metadata, extents)
 
@@ -108,7 +114,8 @@ def _encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) 
     sm = metadata.storage_meta
     record = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": PREFIXED_VERSION if any(e.prefix for e in extents.values())
+        else FORMAT_VERSION,
         "dcp_version": metadata.version,
         "storage_meta": None
         if sm is None
@@ -129,6 +136,8 @@ def encode_extents(extents: Mapping[MetadataIndex, Extent]) -> list[dict[str, An
                **asdict(ext)}
         if ext.value is None:
             del row["value"]
+        if ext.prefix is None:
+            del row["prefix"]
         rows.append(row)
     return rows
 
@@ -194,6 +203,7 @@ def _decode_record(data: bytes, source: str) -> Metadata:
     storage, rows = decode_extents(p, p.get(root, "extents", list, ""), sd_md, version)
     check_extents_match_items(sd_md, storage, rows, p.fail)
     check_no_aliasing(storage, p.fail)
+    check_prefixes(storage, rows, version >= PREFIXED_VERSION, p.fail)
 
     planner_data = root.get("planner_data")
     if planner_data is not None:

@@ -180,3 +180,16 @@ def check_no_aliasing(extents: Mapping[MetadataIndex, Extent], fail: Fail) -> No
                                               f"{name!r} it gives {fqn!r} are also those of "
                                               f"extents[{prev}] ({prev_fqn!r})")
             end, prev, prev_fqn = offset + length, row, fqn
+
+
+def check_prefixes(extents: Mapping[MetadataIndex, Extent], rows: Mapping[MetadataIndex, int],
+                   allowed: bool, fail: Fail) -> None:
+    """Key prefixes only where the record's version has them, and one per data file (each
+    prefix itself was validated with its row)."""
+    prefix_of: dict[str, str | None] = {}
+    for index, ext in extents.items():
+        if ext.prefix is not None and not allowed:
+            raise fail(f"extents[{rows[index]}].prefix", "key prefixes need a version-3 record")
+        if prefix_of.setdefault(ext.file, ext.prefix) != ext.prefix:
+            raise fail(f"extents[{rows[index]}].prefix",
+                       f"{ext.file!r} is also recorded under key prefix {prefix_of[ext.file]!r}")

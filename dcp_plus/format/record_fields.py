@@ -25,6 +25,7 @@ from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import ALGORITHM, BOUND_ALGORITHM
 from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.extent import Extent
+from dcp_plus.format.key_prefix import prefix_problem
 from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record_checks import INT64_MAX, MAX_DIMS, STORED_DTYPES, check_tiling
 from dcp_plus.format.strict_json import check_text
@@ -32,6 +33,7 @@ from dcp_plus.format.strict_json import check_text
 MAX_NAME_CHARS = 1 << 16
 _CHECKSUM = {1: re.compile(rf"^{ALGORITHM}:[0-9a-f]{{16}}$"),
              2: re.compile(rf"^{BOUND_ALGORITHM}:[0-9a-f]{{16}}$")}
+_CHECKSUM[3] = _CHECKSUM[2]
 
 
 class FieldParser:
@@ -194,6 +196,10 @@ def decode_extents(p: FieldParser, rows: list[Any],
         if chunk is not None:
             chunk = p.ints(entry, "chunk", where)
         value = p.get(entry, "value", str, where) if "value" in entry else None
+        prefix = p.get(entry, "prefix", str, where) if "prefix" in entry else None
+        if prefix is not None and prefix_problem(prefix) is not None:
+            raise p.fail(f"{where}.prefix", f"{prefix_problem(prefix)}: it could point "
+                                            "outside the checkpoint")
         ext = Extent(
             file=p.relative_path(p.get(entry, "file", str, where), f"{where}.file"),
             offset=p.get(entry, "offset", int, where),
@@ -202,6 +208,7 @@ def decode_extents(p: FieldParser, rows: list[Any],
             codec=p.get(entry, "codec", str, where),
             checksum=p.get(entry, "checksum", str, where),
             value=value,
+            prefix=prefix,
         )
         if min(ext.offset, ext.length, ext.raw_length) < 0:
             raise p.fail(where, "negative offset or length")
@@ -232,7 +239,9 @@ def _fast_row(entry: Any, checksum: re.Pattern[str]) -> tuple[MetadataIndex, Ext
             entry["raw_length"], entry["codec"], entry["checksum"])
     except KeyError:
         return None
-    value = entry.get("value")
+    value, prefix = entry.get("value"), entry.get("prefix")
+    if prefix is not None and (type(prefix) is not str or prefix_problem(prefix) is not None):
+        return None
     if not (type(fqn) is str and type(offset) is int and type(length) is int
             and type(raw) is int and type(codec) is str and type(cs) is str
             and type(file) is str and (value is None or type(value) is str)):
@@ -247,7 +256,8 @@ def _fast_row(entry: Any, checksum: re.Pattern[str]) -> tuple[MetadataIndex, Ext
         return None
     if not (is_data_file(file) and known_codec(codec) and checksum.match(cs)):
         return None
-    return MetadataIndex(fqn, chunk), Extent(file, offset, length, raw, codec, cs, value)
+    return MetadataIndex(fqn, chunk), Extent(file, offset, length, raw, codec, cs, value,
+                                               prefix)
 
 
 def decode_storage_meta(p: FieldParser, root: dict[str, Any]) -> StorageMeta:

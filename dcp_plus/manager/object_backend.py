@@ -3,24 +3,39 @@
 
 from __future__ import annotations
 
+import logging
 import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from dcp_plus.errors import DcpPlusError
+from dcp_plus.errors import DcpPlusError, InvalidOptionError
+from dcp_plus.format.key_prefix import (
+    MARKER_NAME,
+    bucket_path,
+    decode_marker,
+    insert_prefix,
+)
 from dcp_plus.format.record import RECORD_NAME, decode_record
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
 from dcp_plus.manager.options import ObjectStoreReaderOptions, ObjectStoreWriterOptions
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
+
+log = logging.getLogger(__name__)
+PROBED_PREFIXES = 256
+"""Up to this many candidate key prefixes are each removed blindly; more are first
+narrowed down to those that exist (one listing of the bucket's top level)."""
 
 
 class ObjectStoreBackend:
     """Checkpoints under a URL prefix; ``storage_options`` go to fsspec untouched.
 
     There are no directories or renames: a checkpoint exists iff its ``.metadata`` object
-    does, and the ``latest`` pointer is one PUT (atomic on object stores).
+    does, and the ``latest`` pointer is one PUT (atomic on object stores). Removing a
+    checkpoint also removes its objects under key prefixes (``key_prefixes``): those its
+    record names, and those of every strategy its saves used (the ``.key_prefixes`` marker
+    a save writes before any data), committed or not.
     """
 
     writer_options = ObjectStoreWriterOptions
@@ -44,6 +59,11 @@ class ObjectStoreBackend:
     def writer(self, path: str, options: Mapping[str, Any]) -> StorageWriter:
         from dcp_plus.writers import ObjectStoreWriter
 
+        if options.get("key_prefixes") is not None and "/" not in path[
+                len(bucket_path(path)):].strip("/"):
+            raise InvalidOptionError(f"{path}: with key_prefixes the root must lie below the "
+                                     "bucket (e.g. s3://bucket/run), so that the prefixes do "
+                                     "not sit among its step folders")
         return ObjectStoreWriter(path, self.storage_options, **{"overwrite": True, **options})
 
     def reader(self, path: str, options: Mapping[str, Any]) -> StorageReader:
@@ -75,8 +95,9 @@ class ObjectStoreBackend:
             sizes: dict[str, int | None] = {}
             for index, ext in md.storage_data.items():
                 if ext.file not in sizes:
+                    folder = p if ext.prefix is None else insert_prefix(p, ext.prefix)
                     try:
-                        sizes[ext.file] = int(fs.size(f"{p}/{ext.file}"))
+                        sizes[ext.file] = int(fs.size(f"{folder}/{ext.file}"))
                     except FileNotFoundError:
                         sizes[ext.file] = None
                 size = sizes[ext.file]
@@ -96,10 +117,44 @@ class ObjectStoreBackend:
 
     def remove_tree(self, path: str) -> None:
         fs, p = self._fs_path(path)
+        for prefix in self._key_prefixes(fs, p, path):  # before the marker that names them
+            target = insert_prefix(p, prefix)
+            fs.invalidate_cache(target)
+            try:
+                fs.rm(target, recursive=True)
+            except FileNotFoundError:
+                pass
         try:
             fs.rm(p, recursive=True)
         except FileNotFoundError:
             pass
+
+    def _key_prefixes(self, fs: Any, p: str, path: str) -> list[str]:
+        """The key prefixes objects of checkpoint ``path`` (``p`` on ``fs``) may lie under:
+        the record's, and the marker's strategies' (those that exist, if many)."""
+        found: set[str] = set()
+        record = self.read(self.join(path, RECORD_NAME))
+        if record is not None and record[:1] == b"{":
+            try:
+                md = decode_record(record, self.join(path, RECORD_NAME))
+                found.update(e.prefix for e in md.storage_data.values() if e.prefix)
+            except DcpPlusError as e:
+                log.warning("%s: the prefixes of its unreadable record are not removed (%s)",
+                            path, e)
+        marker = self.read(self.join(path, MARKER_NAME))
+        if marker is None:
+            return sorted(found)
+        try:
+            strategies = decode_marker(marker, self.join(path, MARKER_NAME))
+        except ValueError as e:
+            log.warning("%s: key prefixes not removed: %s", path, e)
+            return sorted(found)
+        candidates = {prefix for s in strategies for prefix in s.all()}
+        if len(candidates) > PROBED_PREFIXES:
+            bucket = bucket_path(p)
+            fs.invalidate_cache(bucket)
+            candidates &= {posixpath.basename(e.rstrip("/")) for e in fs.ls(bucket, detail=False)}
+        return sorted(found | candidates)
 
     def read(self, path: str) -> bytes | None:
         fs, p = self._fs_path(path)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.codecs import Codec, resolve_codec
+from dcp_plus.format.key_prefix import KeyPrefixes
 from dcp_plus.storage.direct import DirectIO, direct_io_problem
 from dcp_plus.storage.rate import rate_problem
 
@@ -70,6 +71,12 @@ def _codecs(value: Any) -> str | None:
         if problem is not None:
             return f"[{pattern!r}] {problem}"
     return None
+
+
+def _key_prefixes(value: Any) -> str | None:
+    if value is None or isinstance(value, KeyPrefixes):
+        return None
+    return f"must be HexPrefixes, BinaryPrefixes, RoundRobinPrefixes or None, got {value!r}"
 
 
 def _direct_io(value: Any) -> str | None:
@@ -171,6 +178,11 @@ class ObjectStoreWriterOptions(_Writing, _Requests):
     part_size: int = _setting(32 << 20, minimum=1)
     """Multipart part size in bytes (S3 needs >= 5 MiB); upload memory is bounded by
     ``concurrency * part_size``."""
+
+    key_prefixes: KeyPrefixes | None = _setting(None, check=_key_prefixes)
+    """Spread the ranks' objects over key prefixes of the bucket (S3 throttles per prefix):
+    ``HexPrefixes(depth)``, ``BinaryPrefixes(depth)``, ``RoundRobinPrefixes([...])``;
+    retention and clean-up remove the prefixed objects too. None: all under the checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,6 +35,7 @@ from dcp_plus.format.extent import BYTESIO
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import check_digest, check_extent_bounds, verify_checksum
+from dcp_plus.readers.placement import place_objects
 from dcp_plus.readers.raw_bytes import deliver_bytesio
 from dcp_plus.storage.direct_extents import ExtentEOFError
 from dcp_plus.storage.direct_read import DIRECT_ALIGN
@@ -162,6 +163,7 @@ class ExtentReader(StoreClient, StorageReader):
             if isinstance(md, TensorStorageMetadata):
                 for c in md.chunks:
                     self._chunks[MetadataIndex(fqn, c.offsets)] = (md.properties.dtype, c.sizes)
+        place_objects(self._store, self._extents, self._location(RECORD_NAME))
         self._check_bounds()
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -18,6 +18,7 @@ from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_nam
 from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
 from dcp_plus.readers.file_check import VerifyReport, check_file
 from dcp_plus.readers.locate import reader_for
+from dcp_plus.readers.placement import place_objects
 
 __all__ = ["VerifyReport", "load_record", "stored_bytes", "summarize", "verify"]
 
@@ -148,6 +149,7 @@ def verify(location: Location, progress: Callable[[int], None] | None = None,
     reader = _open(location, storage_options)
     try:
         md = _record(reader) if record is None else record
+        place_objects(reader._store, _extents(md), reader._location(RECORD_NAME))
         report = VerifyReport(os.fspath(location))
         by_file: dict[str, list[tuple[MetadataIndex, Extent]]] = {}
         for index, ext in _extents(md).items():

@@ -7,8 +7,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
+from dcp_plus.format.key_prefix import insert_prefix
 from dcp_plus.storage.fanout import Threads, windowed
 from dcp_plus.storage.http_errors import HTTP_ERRORS
+from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.ranged import (
     ExtentFill,
     RangeRequest,
@@ -25,7 +27,7 @@ from dcp_plus.storage.rate import GRANT, Bucket
 from dcp_plus.storage.retry import Retry
 
 
-class FsspecStore(ReadsByExtents):
+class FsspecStore(Placed, ReadsByExtents):
     """Any fsspec filesystem: objects written as streams, ranges read with ``cat_file``."""
 
     uploads_from_any_process = False  # kept in-process: memory:// is per process
@@ -39,10 +41,8 @@ class FsspecStore(ReadsByExtents):
         self._retry = Retry(config.retry, HTTP_ERRORS)
 
     def _path(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def location(self, name: str) -> str:
-        return f"{self.url}/{name}"
+        prefix = self.prefix_of(name)
+        return f"{self.root if prefix is None else insert_prefix(self.root, prefix)}/{name}"
 
     def sizes(self, names: Sequence[str]) -> dict[str, int | None]:
         def size(name: str) -> int | None:
@@ -67,19 +67,20 @@ class FsspecStore(ReadsByExtents):
         # Generic filesystems have no conditional create: check, then write.
         if if_absent and self.sizes([name])[name] is not None:
             return False
-        self._ensure_root()
+        self._ensure_root([name])
         self._retry.call(lambda _: self.fs.pipe_file(self._path(name), data),
                     f"PUT {self.location(name)}")
         return True
 
-    def _ensure_root(self) -> None:
-        # Directory-backed filesystems need the directory; object stores have none.
+    def _ensure_root(self, names: Sequence[str]) -> None:
+        # Directory-backed filesystems need the directories; object stores have none.
         if not getattr(self.fs, "async_impl", False):
-            self.fs.makedirs(self.root, exist_ok=True)
+            for folder in {posixpath.dirname(self._path(n)) for n in names}:
+                self.fs.makedirs(folder, exist_ok=True)
 
     def upload(self, objects: Sequence[tuple[str, Segments, int]],
                pace: Bucket | None = None) -> None:
-        self._ensure_root()
+        self._ensure_root([name for name, _, _ in objects])
 
         def one(obj: tuple[str, Segments, int]) -> None:
             name, segments, total = obj

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from fsspec.asyn import sync
 
 from dcp_plus.storage.http_errors import HTTP_ERRORS, error_status
+from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.ranged import (
     MIN_PART_SIZE,
     ExtentFill,
@@ -115,7 +116,7 @@ async def _paced(pace: Bucket | None, n: int) -> None:
             await asyncio.sleep(wait)
 
 
-class S3Store(ReadsByExtents):
+class S3Store(Placed, ReadsByExtents):
     """One ``s3://bucket/prefix``; every request is bounded by ``config.concurrency``."""
 
     uploads_from_any_process = True
@@ -134,10 +135,10 @@ class S3Store(ReadsByExtents):
         self._create_kw = {**fs.s3_additional_kwargs, **fs.req_kw}
 
     def key(self, name: str) -> str:
+        placed = self.prefix_of(name)  # place() refused a checkpoint with no key
+        if placed is not None:
+            return f"{placed}/{self.prefix}/{name}"
         return f"{self.prefix}/{name}" if self.prefix else name
-
-    def location(self, name: str) -> str:
-        return f"{self.url}/{name}"
 
     def _run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         return sync(self.fs.loop, fn, *args)

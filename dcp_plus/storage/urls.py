@@ -29,6 +29,12 @@ def names_location(url: str) -> bool:
     return rest.strip("/") != ""
 
 
+def prefixable(url: str) -> bool:
+    """Whether key prefixes can be put before URL ``url``'s key: an object store's (or
+    ``memory://``, for tests), not a file system's."""
+    return is_url(url) and url.split("://", 1)[0].lower() in _BUCKETED | {"memory"}
+
+
 def is_nfs_target(target: str | os.PathLike[str]) -> bool:
     """A mounted path (no URL scheme) or an ``nfs://`` URL."""
     return str(target).startswith("nfs://") or not is_url(target)

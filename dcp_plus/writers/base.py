@@ -30,9 +30,16 @@ from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.storage.location import StoreClient
+from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.rate import Bucket, check_shaping, shared_bucket, stagger_delay
 from dcp_plus.writers.codec_choice import CodecChoice
-from dcp_plus.writers.extent_tables import build_extents, collect_extents, write_results
+from dcp_plus.writers.extent_tables import (
+    build_extents,
+    collect_extents,
+    extent_table_name,
+    table_prefixes,
+    write_results,
+)
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
 from dcp_plus.writers.pool import DEFAULT_NICE, check_pool_settings, shared_pool
@@ -140,6 +147,10 @@ class CommittingWriter(StoreClient, StorageWriter):
         ``pace``: the save's rate cap, whose ``limit`` the jobs carry."""
         raise NotImplementedError
 
+    def _rank_prefix(self, rank: int) -> str | None:
+        """The key prefix of rank ``rank``'s objects (None: beside the record)."""
+        return None
+
     def _prepare(self, names: list[str]) -> list[str]:
         """Before any data is written: the store's preparation of the data files ``names``;
         the files it made, which a failed save removes again."""
@@ -217,6 +228,10 @@ class CommittingWriter(StoreClient, StorageWriter):
         slab_files, other_files = plan_files(items, info.rank, self.save_id, self._bins,
                                              slab_parts=self._slab_parts)
         files = slab_files + other_files
+        prefix = self._rank_prefix(info.rank)
+        if prefix is not None:
+            self._place({n: prefix for n in [fp.name for fp in files]
+                         + [extent_table_name(info.rank, self.save_id)]})
         # the persist's own thread waits (async saves: not the trainer's); planning and the
         # commit are not held back, only this rank's data write
         delay = stagger_delay(self.stagger, info.rank)
@@ -229,9 +244,9 @@ class CommittingWriter(StoreClient, StorageWriter):
                 sums = self._write_files(slab_files, other_files, pace)
             self.last_persist = PersistTiming(started, writing, time.monotonic() - clock,
                                               sum(fp.size for fp in files))
-            extents = build_extents(files, raw_lengths, codec_names, sums)
+            extents = build_extents(files, raw_lengths, codec_names, sums, prefix)
             results = write_results(info.rank, info.world, self.save_id, extents,
-                                    self._put_table)
+                                    self._put_table, prefix)
         except BaseException:
             self._remove_own_files(created)
             raise
@@ -273,6 +288,16 @@ class CommittingWriter(StoreClient, StorageWriter):
             log.warning("%s: could not remove the files of the failed save %s: %s",
                         self.checkpoint_id, self.save_id, e)
 
+    def _place(self, files: dict[str, str]) -> None:
+        """Objects ``files`` lie under their key prefixes (stores that have none refuse)."""
+        if not files:
+            return
+        store = self._store
+        if not isinstance(store, Placed):
+            raise CheckpointFormatError(f"{self.checkpoint_id}: {type(self).__name__} keeps no "
+                                        "objects under key prefixes")
+        store.place(files)
+
     def _put_table(self, name: str, data: bytes) -> None:
         self._store.put(name, data, if_absent=False)
 
@@ -284,6 +309,7 @@ class CommittingWriter(StoreClient, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         store = self._store
+        self._place(table_prefixes(results))
         extents, tables = collect_extents(results, self._get_table, store.location)
         metadata.storage_data = extents
         metadata.storage_meta = self.storage_meta()
@@ -313,7 +339,14 @@ class CommittingWriter(StoreClient, StorageWriter):
             log.warning("%s: the commit record being replaced is not readable (%s); its data "
                         "files are left in place", self.checkpoint_id, e)
             return set()
-        return {e.file for e in old.storage_data.values() if is_data_file(e.file)}
+        files = {e.file: e.prefix for e in old.storage_data.values() if is_data_file(e.file)}
+        placed = {f: p for f, p in files.items() if p is not None}
+        if placed and not isinstance(self._store, Placed):  # not ours: a hostile record
+            log.warning("%s: the replaced commit record names key prefixes; the files under "
+                        "them are left in place", self.checkpoint_id)
+            return {f for f, p in files.items() if p is None}
+        self._place(placed)
+        return set(files)
 
     def close(self) -> None:
         """Release this writer's store and threads (reopened on next use). The shared worker

@@ -27,6 +27,8 @@ class ExtentTableRef:
     name: str
     checksum: str
     count: int
+    prefix: str | None = None
+    """The key prefix the table (and its rank's data) lies under."""
 
 
 def extent_table_name(rank: int, save_id: str) -> str:
@@ -34,10 +36,11 @@ def extent_table_name(rank: int, save_id: str) -> str:
 
 
 def build_extents(files: Sequence[FilePlan], raw_lengths: dict[int, int],
-                  codecs: dict[int, str], sums: dict[int, str]
+                  codecs: dict[int, str], sums: dict[int, str], prefix: str | None = None
                   ) -> list[tuple[MetadataIndex, Extent]]:
-    """The extents of the items placed in ``files``; raw lengths, codecs and content
-    ``sums`` by ``id(item)``; checksums bound to each extent's identity (version 2)."""
+    """The extents of the items placed in ``files`` (under key ``prefix``); raw lengths,
+    codecs and content ``sums`` by ``id(item)``; checksums bound to each extent's identity
+    (version 2)."""
     out = []
     dtype_names: dict[torch.dtype, str] = {}
     for fp in files:
@@ -58,13 +61,14 @@ def build_extents(files: Sequence[FilePlan], raw_lengths: dict[int, int],
             raw_length, length, codec = raw_lengths[key], len(r.data), codecs[key]
             identity = identity_of(fqn, index.offset, dname, raw_length, length, codec, r.value)
             out.append((index, Extent(name, off, length, raw_length, codec,
-                                      bind_checksum(sums[key], identity), r.value)))
+                                      bind_checksum(sums[key], identity), r.value, prefix)))
     return out
 
 
 def write_results(rank: int, world: int, save_id: str,
                   extents: list[tuple[MetadataIndex, Extent]],
-                  put_table: Callable[[str, bytes], None]) -> list[WriteResult]:
+                  put_table: Callable[[str, bytes], None],
+                  prefix: str | None = None) -> list[WriteResult]:
     """One result per extent in a one-rank save; else the extents go to a table stored with
     ``put_table`` and the one result names it."""
     if world <= 1:
@@ -72,7 +76,7 @@ def write_results(rank: int, world: int, save_id: str,
     data = encode_extent_table(dict(extents))
     name = extent_table_name(rank, save_id)
     put_table(name, data)
-    ref = ExtentTableRef(name, checksum_bytes(data), len(extents))
+    ref = ExtentTableRef(name, checksum_bytes(data), len(extents), prefix)
     return [WriteResult(index=MetadataIndex(f"{TABLE_FQN}/{rank}"),
                         size_in_bytes=sum(e.length for _, e in extents), storage_data=ref)]
 
@@ -102,3 +106,10 @@ def collect_extents(results: list[list[WriteResult]], get_table: Callable[[str],
             else:
                 extents[wr.index] = ref
     return extents, tables
+
+
+def table_prefixes(results: list[list[WriteResult]]) -> dict[str, str]:
+    """The key prefix of each extent table the results name that has one."""
+    return {wr.storage_data.name: wr.storage_data.prefix
+            for rank_results in results for wr in rank_results
+            if isinstance(wr.storage_data, ExtentTableRef) and wr.storage_data.prefix}

@@ -7,11 +7,20 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.codecs import Codec
+from dcp_plus.format.key_prefix import (
+    MARKER_NAME,
+    KeyPrefixes,
+    decode_marker,
+    encode_marker,
+    insert_prefix,
+)
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
+from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.rate import Bucket
 from dcp_plus.storage.retry import RetryPolicy
-from dcp_plus.storage.urls import names_location
+from dcp_plus.storage.urls import names_location, prefixable
 from dcp_plus.writers.base import CommittingWriter, Fence
 from dcp_plus.writers.layout import FilePlan
 from dcp_plus.writers.pool import DEFAULT_NICE
@@ -51,6 +60,12 @@ class ObjectStoreWriter(CommittingWriter):
             request waits for its whole body's share, so the cap's grain is ``part_size``
             (a smaller ``part_size`` shapes finer; other filesystems are paced in 4 MiB).
         fence, allow_pickle: as for :class:`~dcp_plus.writers.LocalWriter`.
+        key_prefixes: spread the ranks' objects over key prefixes of the bucket, as S3
+            throttles per prefix: :class:`~dcp_plus.HexPrefixes` ``(depth)``,
+            :class:`~dcp_plus.BinaryPrefixes` ``(depth)`` or
+            :class:`~dcp_plus.RoundRobinPrefixes` ``([...])``. Rank ``r``'s data objects go
+            to ``<bucket>/<prefix(r)>/<checkpoint key>/``; the record (which names each
+            object's prefix) stays at the checkpoint key. None (default): all objects there.
 
     Raises:
         CheckpointExistsError: a committed checkpoint is at ``url`` and ``overwrite`` is off.
@@ -64,10 +79,16 @@ class ObjectStoreWriter(CommittingWriter):
                  codecs: Mapping[str, str | Codec] | None = None, workers: int = 2,
                  worker_nice: int = DEFAULT_NICE, max_bytes_per_s: float | None = None,
                  stagger: float = 0.0, fence: Fence | None = None,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, key_prefixes: KeyPrefixes | None = None) -> None:
         super().__init__(url, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice,
                          max_bytes_per_s=max_bytes_per_s, stagger=stagger)
+        if key_prefixes is not None and not isinstance(key_prefixes, KeyPrefixes):
+            raise InvalidOptionError(f"ObjectStoreWriter key_prefixes: expected HexPrefixes, "
+                                     f"BinaryPrefixes, RoundRobinPrefixes or None, got "
+                                     f"{key_prefixes!r}")
+        self.key_prefixes = key_prefixes
+        self._check_prefixable()
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(part_size=part_size, concurrency=concurrency,
                                   retry=RetryPolicy(max_retries, retry_base_delay,
@@ -77,8 +98,37 @@ class ObjectStoreWriter(CommittingWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, str) and names_location(checkpoint_id)
 
+    def _check_prefixable(self) -> None:
+        if self.key_prefixes is None:
+            return
+        try:
+            insert_prefix(self.path, self.key_prefixes.prefix(0))
+            if not prefixable(self.path):
+                raise ValueError(f"{self.path}: key prefixes are for object stores (s3://, "
+                                 "gs://, az://, memory://...)")
+        except ValueError as e:
+            raise InvalidOptionError(str(e)) from None
+
     def _open_store(self) -> ObjectStore:
+        self._check_prefixable()  # reset() may have moved the writer
         return open_store(self.path, self.storage_options, self.config)
+
+    def _rank_prefix(self, rank: int) -> str | None:
+        return None if self.key_prefixes is None else self.key_prefixes.prefix(rank)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if is_coordinator and self.key_prefixes is not None:
+            # before any rank writes data (DCP plans first): clean-up of a save that never
+            # commits finds its prefixes here (those of earlier saves under this key kept)
+            store = self._store
+            old = store.get(MARKER_NAME)
+            try:
+                known = [] if old is None else decode_marker(old, store.location(MARKER_NAME))
+            except ValueError:
+                known = []
+            store.put(MARKER_NAME, encode_marker(dict.fromkeys([*known, self.key_prefixes])),
+                      if_absent=False)
 
     def _worker_jobs(self, files: list[FilePlan], pace: Bucket | None) -> list[Job]:
         # the workers upload side by side: together they keep `concurrency` requests in flight
@@ -86,6 +136,8 @@ class ObjectStoreWriter(CommittingWriter):
         config = dataclasses.replace(
             self.config, concurrency=max(1, self.config.concurrency // side_by_side))
         rate = None if pace is None else pace.limit
-        return [UploadJob(self.path, self.storage_options, config, fp.name, fp.size,
+        store = self._store
+        where = store.folder_url if isinstance(store, Placed) else lambda _: self.path
+        return [UploadJob(where(fp.name), self.storage_options, config, fp.name, fp.size,
                           fp.slab_ranges(), rate)
                 for fp in files]

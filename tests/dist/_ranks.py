@@ -22,3 +22,17 @@ def save_two_ranks(rank: int, world: int, url: str, storage_options: dict[str, A
 
     warnings.filterwarnings("ignore")
     dcp.save(rank_state(rank), storage_writer=ObjectStoreWriter(url, storage_options))
+
+
+def manager_saves_under_prefixes(rank: int, world: int, root: str,
+                                 storage_options: dict[str, Any], prefixes: list[str]) -> None:
+    """Steps 1 and 2 through a CheckpointManager (keep_last=1) whose writers spread the ranks
+    over ``prefixes``; step ``s`` holds ``rank_state(rank)`` plus ``s``."""
+    from dcp_plus import CheckpointManager, ObjectStoreWriterOptions, RoundRobinPrefixes
+
+    warnings.filterwarnings("ignore")
+    options = ObjectStoreWriterOptions(key_prefixes=RoundRobinPrefixes(prefixes))
+    with CheckpointManager(root, storage_options=storage_options, writer_options=options,
+                           keep_last=1, interval=1) as m:
+        for step in (1, 2):
+            m.save(step, {k: v + step for k, v in rank_state(rank).items()}).result(timeout=120)

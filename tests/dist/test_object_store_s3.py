@@ -356,6 +356,25 @@ def test_two_gloo_ranks_save_per_rank_objects_and_one_record(seaweed: SeaweedSer
     assert_bit_exact(out, expected)
 
 
+def test_two_gloo_ranks_write_under_their_key_prefixes_and_retention_removes_them(
+        seaweed: SeaweedServer, prefix: str) -> None:
+    from tests.dist._ranks import manager_saves_under_prefixes, rank_state
+
+    tag = uuid.uuid4().hex[:8]
+    spread = [f"kp{tag}a", f"kp{tag}b"]
+    root = f"s3://{BUCKET}/{prefix}/run"
+    run_ranks(2, manager_saves_under_prefixes, root, seaweed.storage_options(), spread)
+    for rank, p in enumerate(spread):  # each rank's objects under its own prefix; step 1 gone
+        under = keys(seaweed, f"{p}/{prefix}/run")
+        assert [n.split("/")[0] for n in under] == ["step_00000002"]
+        assert under[0].split("/")[1].startswith(f"__{rank}_")
+    assert not [n for n in keys(seaweed, prefix) if n.endswith(".dcpp")]
+    assert not [n for n in keys(seaweed, prefix) if n.startswith("run/step_00000001/")]
+    expected = {k: v + 2 for r in (0, 1) for k, v in rank_state(r).items()}
+    assert_bit_exact(load(f"{root}/step_00000002", seaweed.storage_options(), expected),
+                     expected)
+
+
 def test_zstd_shuffle_round_trip_over_multipart(seaweed: SeaweedServer, prefix: str) -> None:
     sd = state()
     url = f"s3://{BUCKET}/{prefix}"
