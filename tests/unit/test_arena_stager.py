@@ -12,10 +12,10 @@ from multiprocessing.reduction import ForkingPickler
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from dcp_plus import LocalReader, LocalWriter
+from dcp_plus._compat.torch_dcp import flatten_state_dict
 from dcp_plus.errors import CapacityError, ClosedError, StagingError
 from dcp_plus.format.layout import ALIGNMENT
 from dcp_plus.memory.slabs import SHM_DIR, registry
