@@ -11,7 +11,13 @@ DEMO_STAMP  := $(VENV)/.installed-demo
 TITAN_VENV  := .venv-titan
 TITAN_STAMP := $(TITAN_VENV)/.installed
 
-.PHONY: demo test api-docs test-torchtitan nfs-server lint typecheck bench bench-compression gpu-wheels clean
+# The lowest torch pyproject.toml allows; its unit suite runs in a venv of its own.
+TORCH_FLOOR := 2.11.0
+FLOOR_VENV  := .venv-torch-floor
+FLOOR_STAMP := $(FLOOR_VENV)/.installed
+
+.PHONY: demo test api-docs test-torchtitan test-torch-floor nfs-server lint typecheck bench \
+        bench-compression gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +48,7 @@ api-docs: $(STAMP)
 test: lint typecheck api-docs
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(MAKE) test-torchtitan
+	$(MAKE) test-torch-floor
 
 # TorchTitan needs its own venv: its `datasets` dependency pins an older fsspec than s3fs.
 $(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
@@ -52,6 +59,18 @@ $(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
 
 test-torchtitan: $(TITAN_STAMP)
 	$(TITAN_VENV)/bin/python -m pytest tests/integration tests/dist/test_torchtitan.py $(PYTEST_ARGS)
+
+# constraints.txt with torch at the floor. No CPU-only wheel of 2.11 is on the index, so this
+# is the CUDA build with its nvidia-* wheels (~4.5 GB venv); it runs on the CPU all the same.
+$(FLOOR_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q --upgrade pip
+	sed 's/^torch==.*/torch==$(TORCH_FLOOR)/' constraints.txt > $(FLOOR_VENV)/constraints.txt
+	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt -e '.[dev]'
+	touch $(FLOOR_STAMP)
+
+test-torch-floor: $(FLOOR_STAMP)
+	$(FLOOR_VENV)/bin/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # The NFS tests run a real user-space NFS server (needs root to install; they skip without it).
 nfs-server:
@@ -77,4 +96,4 @@ gpu-wheels:
 	    -d .whl "zstandard>=0.22"
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TITAN_VENV) $(FLOOR_VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache

@@ -228,17 +228,18 @@ class Bench:
         return r
 
     def stock_save(self, case: Case, base: str) -> dict[str, float]:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+        from dcp_plus._compat.torch_dcp import fsspec_writer
 
-        w = FsspecWriter(f"{base}/stock", thread_count=self.conc, sync_files=False,
+        w = fsspec_writer()(f"{base}/stock", thread_count=self.conc, sync_files=False,
                          **self.opts)
         return self._timed(lambda: dcp.save(case.sd, storage_writer=w, no_dist=True))
 
     def stock_load(self, case: Case, base: str) -> dict[str, float]:
         from torch.distributed.checkpoint import DefaultLoadPlanner
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-        r = FsspecReader(f"{base}/stock", **self.opts)
+        from dcp_plus._compat.torch_dcp import fsspec_reader
+
+        r = fsspec_reader()(f"{base}/stock", **self.opts)
         return self._load(case, lambda: dcp.load(case.dest, storage_reader=r,
                                                  planner=DefaultLoadPlanner(), no_dist=True))
 

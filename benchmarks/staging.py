@@ -35,13 +35,13 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import (
     BlockingAsyncStager,
-    DefaultStager,
     StagingOptions,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from dcp_plus import LocalWriter
+from dcp_plus._compat.torch_dcp import ReusableDefaultStager
 from dcp_plus.cli.bench.limits import MemcpyLimit
 from dcp_plus.format.layout import align_up
 from dcp_plus.stagers import ArenaStager
@@ -69,14 +69,15 @@ class NullWriter(StorageWriter):
     def write_data(
         self, plan: SavePlan, planner: SavePlanner
     ) -> torch.futures.Future[list[WriteResult]]:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        from dcp_plus._compat.torch_dcp import storage_info
 
         results = [
             WriteResult(
                 index=MetadataIndex(item.index.fqn, item.index.offset, item.index.index),
                 size_in_bytes=0,
-                storage_data=_StorageInfo("null", 0, 0),
+                storage_data=storage_info()("null", 0, 0),
             )
             for item in plan.items
         ]
@@ -201,7 +202,7 @@ def part_a(size_gib: float, saves: int) -> None:
         ("async_save default", lambda: None, T),
         (
             "DefaultStager(F,T,T,F)",
-            lambda: DefaultStager(StagingOptions(False, True, True, False)),
+            lambda: ReusableDefaultStager(StagingOptions(False, True, True, False)),
             P,
         ),
         ("BlockingAsyncStager", lambda: BlockingAsyncStager(), T),
@@ -376,7 +377,7 @@ def part_b(
         ("BlockingAsyncStager", lambda: BlockingAsyncStager(), "FileSystemWriter", fsw, T),
         (
             "DefaultStager(F,T,T,F)",
-            lambda: DefaultStager(StagingOptions(False, True, True, False)),
+            lambda: ReusableDefaultStager(StagingOptions(False, True, True, False)),
             "FileSystemWriter",
             fsw,
             P,

@@ -77,3 +77,7 @@ class ReadOnlyError(DcpPlusError, PermissionError):
 
 class InvalidOptionError(DcpPlusError, ValueError):
     """A setting given at construction is refused (the message names it and what it takes)."""
+
+
+class UnsupportedTorchError(DcpPlusError, ImportError):
+    """The installed torch lacks a (private) torch name dcp_plus relies on."""

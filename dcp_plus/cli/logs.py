@@ -82,10 +82,12 @@ def bars_safe() -> contextlib.AbstractContextManager[Any]:
 
 def _daemon_main(level: int, *args: Any) -> Any:
     """The PROCESS-executor daemon's entry point, run in that process: our level first."""
-    from torch.distributed.checkpoint import _async_process_executor as ape
+    from dcp_plus._compat.torch_dcp import process_daemon_class
 
+    cls = process_daemon_class()
+    assert cls is not None, "the daemon runs only where quiet_checkpoint_daemon found it"
     _apply(level, handler=False)  # the daemon adds its own handler
-    return ape._AsyncCheckpointProcess._checkpointing_subprocess(*args)
+    return cls._checkpointing_subprocess(*args)
 
 
 @contextlib.contextmanager
@@ -96,16 +98,15 @@ def quiet_checkpoint_daemon() -> Iterator[None]:
     target; inside the block that target is :func:`_daemon_main` bound to our level (a
     module function, so it pickles by name into the spawned process). A torch without that
     private entry point is left alone."""
-    try:
-        from torch.distributed.checkpoint import _async_process_executor as ape
+    from dcp_plus._compat.torch_dcp import process_daemon_class
 
-        cls = ape._AsyncCheckpointProcess
-        original = cls.__dict__["_checkpointing_subprocess"]
-    except (ImportError, AttributeError, KeyError):
+    cls = process_daemon_class()
+    if cls is None:
         yield
         return
-    cls._checkpointing_subprocess = functools.partial(_daemon_main, _level)  # type: ignore[assignment]
+    original = cls.__dict__["_checkpointing_subprocess"]
+    cls._checkpointing_subprocess = functools.partial(_daemon_main, _level)
     try:
         yield
     finally:
-        cls._checkpointing_subprocess = original  # type: ignore[method-assign]
+        cls._checkpointing_subprocess = original

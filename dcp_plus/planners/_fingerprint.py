@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
+
+from dcp_plus._compat.torch_dcp import ShardedTensor, local_tensor
 
 DIGEST_SIZE = 16
 """Bytes in every digest (blake2b-128): collisions are not a practical concern."""
@@ -52,7 +53,7 @@ def value_entry(fqn: str, key: Any, obj: Any, grad: bool) -> Entry:
     """What the write items of ``obj`` depend on (never its values); mirrors DCP's
     ``_create_write_items`` and ``create_default_local_save_plan``."""
     if isinstance(obj, DTensor):
-        local = obj._local_tensor
+        local = local_tensor(obj)
         if not hasattr(local, "__create_write_items__"):
             # DCP: chunk from (global shape, mesh incl. this rank's coordinate, placements);
             # properties from ``to_local()``, which is the local tensor itself under no_grad.

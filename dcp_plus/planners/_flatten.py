@@ -22,9 +22,9 @@ from operator import eq
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import _version as _dcp_version
 from torch.distributed.tensor import DTensor
 
+from dcp_plus._compat.torch_dcp import dcp_derived_version, dtensor_spec, local_tensor
 from dcp_plus.planners._fingerprint import Entry, value_entry
 
 Path = tuple[str | int, ...]
@@ -131,13 +131,13 @@ def iter_entries(
     """
     grad = torch.is_grad_enabled()
     pin = pinning_possible()
-    Tensor, Parameter, DT = _Tensor, _Parameter, DTensor
+    Tensor, Parameter, DT, local_of, spec_of = _Tensor, _Parameter, DTensor, local_tensor, dtensor_spec
     for fqn, path, v in zip(fqns, paths, values, strict=True):
         tv = type(v)
         if tv is DT:
-            local = v._local_tensor
+            local = local_of(v)
             if type(local) is Tensor:
-                spec = v._spec
+                spec = spec_of(v)
                 yield ("D", path, v.shape, local.dtype, local.layout,
                        (v if grad else local).requires_grad,
                        pin and local.is_cpu and local.is_pinned(),
@@ -162,7 +162,7 @@ def flatten_with_entries(state_dict: Mapping[str, Any]) -> Flat | None:
     :class:`~dcp_plus.planners.CachedSavePlanner` checks the result against DCP's own
     flatten whenever it meets a structure it has not seen before.
     """
-    if _dcp_version._derived_version == "2_3":
+    if dcp_derived_version() == "2_3":
         return None
     flat: dict[str, Any] = {}
     mappings: dict[str, Path] = {}

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     STATE_DICT_TYPE,
@@ -22,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.tensor import DTensor
 
+from dcp_plus._compat.torch_dcp import flatten_state_dict, local_tensor
 from dcp_plus.errors import PlanCacheError
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.planners._fingerprint import (
@@ -394,7 +394,7 @@ class CachedSavePlanner(DefaultSavePlanner):
         """
         obj = self.state_dict.get(index.fqn)
         if type(obj) is DTensor and not obj.requires_grad:
-            local = obj._local_tensor
+            local = local_tensor(obj)
             if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
                 return local
         return super().lookup_object(index)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 
 import torch
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
+from dcp_plus._compat.torch_dcp import set_element
 from dcp_plus.errors import UnsafeCheckpointError
 from dcp_plus.format.values import RawBytesIO, unsafe_reason
 

@@ -64,6 +64,22 @@ def describe(index: MetadataIndex) -> str:
     return f"tensor {index.fqn!r}{chunk}"
 
 
+class RefusedRecord(Metadata):
+    """Stands for a record :meth:`ExtentReader.read_metadata` refused: reading any field of
+    it raises that refusal."""
+
+    def __init__(self, refusal: Exception) -> None:  # no fields: each one would raise
+        object.__setattr__(self, "refusal", refusal)
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in Metadata.__dataclass_fields__:
+            raise object.__getattribute__(self, "refusal")
+        return object.__getattribute__(self, name)
+
+    def __repr__(self) -> str:
+        return f"RefusedRecord({self.refusal!r})"
+
+
 class ExtentReader(StoreClient, StorageReader):
     """The one dcp_plus reader over a store; a subclass opens its store and names its settings.
 
@@ -82,6 +98,7 @@ class ExtentReader(StoreClient, StorageReader):
         self.threads = threads
         self.allow_pickle = allow_pickle
         self._stock: StorageReader | None = None
+        self._refused = False  # the last read_metadata failed
         self._extents: dict[MetadataIndex, Extent] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
 
@@ -135,9 +152,29 @@ class ExtentReader(StoreClient, StorageReader):
 
     # -- StorageReader ----------------------------------------------------------------------
 
-    def read_metadata(self, *args: Any) -> Metadata:
-        # no **kwargs: DCP would then retry a failed read as "rank-local metadata", which
-        # dcp_plus checkpoints never have (the same error twice, with two logged tracebacks)
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, from its commit record (validated as untrusted input).
+
+        Raises:
+            DcpPlusError: why the record is refused, naming the path (no commit record, a
+                stock pickle without ``allow_pickle``, an unknown version, a damaged field).
+        """
+        # dcp.load catches what read_metadata raises (torch 2.11 drops it, later releases keep
+        # only its text) and then asks for rank-local metadata, which dcp_plus checkpoints
+        # never have. That second call reads the record again and, failing again, returns a
+        # RefusedRecord, whose first use (a planner's, or set_up_storage_reader's) raises the
+        # refusal; DCP reports it as this rank's failure, so the user sees our error on every
+        # torch. A call without ``rank=``, or one after a successful read, raises.
+        retry, self._refused = "rank" in kwargs and self._refused, False
+        try:
+            return self._read_record(*args)
+        except Exception as e:
+            self._refused = True
+            if retry:
+                return RefusedRecord(e)
+            raise
+
+    def _read_record(self, *args: Any) -> Metadata:
         data = self._record_bytes()
         where = self._location(RECORD_NAME)
         if data[:1] == b"{":
@@ -154,6 +191,8 @@ class ExtentReader(StoreClient, StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
+        if isinstance(metadata, RefusedRecord):
+            raise metadata.refusal
         if self._stock is not None:
             self._stock.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
             return

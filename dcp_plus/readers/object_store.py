@@ -7,6 +7,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.storage import StorageReader
 
+from dcp_plus._compat.torch_dcp import fsspec_reader
 from dcp_plus.readers.base import ExtentReader
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
 from dcp_plus.storage.retry import RetryPolicy
@@ -57,6 +58,4 @@ class ObjectStoreReader(ExtentReader):
         return isinstance(checkpoint_id, str) and names_location(checkpoint_id)
 
     def _stock_reader(self) -> StorageReader:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(self.path, **self.storage_options)
+        return fsspec_reader()(self.path, **self.storage_options)  # type: ignore[no-any-return]

@@ -75,7 +75,7 @@ def apply_state(model: nn.Module, opt: torch.optim.Optimizer, sd: dict[str, Any]
 
 def flat_tensors(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     """``{dcp fqn: full tensor}`` for every tensor; DTensors are all-gathered (a collective)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from dcp_plus._compat.torch_dcp import flatten_state_dict
     from torch.distributed.tensor import DTensor
 
     flat, _ = flatten_state_dict(sd)

@@ -16,11 +16,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
+from dcp_plus._compat.torch_dcp import flatten_state_dict
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.planners import cached_save
 from dcp_plus.planners._fingerprint import (

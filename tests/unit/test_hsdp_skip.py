@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from dcp_plus import ArenaStager, CachedSavePlanner
+from dcp_plus._compat.torch_dcp import flatten_state_dict
 from dcp_plus.errors import StagingError, StaleStagingError
 from dcp_plus.memory.skipped import stale_views
 from dcp_plus.planners.write_set import tensor_fqns

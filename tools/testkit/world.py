@@ -123,11 +123,10 @@ def single_rank_world() -> Iterator[None]:
 
 
 def stop_process_executor() -> None:
-    """Stop the daemon of DCP's PROCESS executor, if this process started one (DCP keeps it in
-    a module global until the interpreter exits; dropping it runs its terminating ``__del__``)."""
-    ape = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
-    if ape is not None:
-        ape._CHECKPOINT_PROCESS = None  # type: ignore[attr-defined]
+    """Stop DCP's PROCESS-executor daemon if this process started one (imports torch lazily)."""
+    from dcp_plus._compat.torch_dcp import stop_process_executor as stop
+
+    stop()
 
 
 def _launch(world_size: int, cases: list[tuple[str, list[Any], dict[str, Any]]], workdir: Path,

@@ -122,9 +122,9 @@ class AsyncSaveCase(Case):
             self.stager.close()
         if self.executor.value == "process":
             # the PROCESS executor keeps one daemon per trainer; end it with this case
-            from torch.distributed.checkpoint import _async_process_executor as ape
+            from dcp_plus._compat.torch_dcp import stop_process_executor
 
-            ape._CHECKPOINT_PROCESS = None
+            stop_process_executor()
 
 
 class TorchCheckpointingCase(Case):
@@ -190,8 +190,9 @@ def build_cases(target_is_url: bool, storage_options: dict[str, Any], *,
     ``process_local_store``: the target lives in this process only (``memory://``), so the
     PROCESS executor's checkpoint process cannot write it and its row is left out.
     """
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.staging import StagingOptions
 
+    from dcp_plus._compat.torch_dcp import ReusableDefaultStager
     from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
     from dcp_plus.stagers import ArenaStager
 
@@ -201,14 +202,13 @@ def build_cases(target_is_url: bool, storage_options: dict[str, Any], *,
     plus_w: Callable[[str], Any]
     plus_r: Callable[[str], Any]
     if target_is_url:
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
+        from dcp_plus._compat.torch_dcp import fsspec_reader, fsspec_writer
         from dcp_plus.readers import ObjectStoreReader
         from dcp_plus.writers import ObjectStoreWriter
 
-        stock_w = lambda p: FsspecWriter(p, **opts)  # noqa: E731
+        stock_w = lambda p: fsspec_writer()(p, **opts)  # noqa: E731
 
-        stock_r = lambda p: FsspecReader(p, **opts)  # noqa: E731
+        stock_r = lambda p: fsspec_reader()(p, **opts)  # noqa: E731
 
         plus_w = lambda p: ObjectStoreWriter(p, opts)  # noqa: E731
 
@@ -229,7 +229,7 @@ def build_cases(target_is_url: bool, storage_options: dict[str, Any], *,
     if not process_local_store:
         cases.append(AsyncSaveCase(
             DCP_TUNED, "dcp", writer=stock_w, reader=stock_r,
-            stager=DefaultStager(StagingOptions(False, True, True, False)),
+            stager=ReusableDefaultStager(StagingOptions(False, True, True, False)),
             executor="process", planner=_dcp_cached_planner, process_group=pg))
     cases += [
         AsyncSaveCase(PLUS, "dcp_plus", writer=plus_w, reader=plus_r, stager=ArenaStager(),

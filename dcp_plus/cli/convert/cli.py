@@ -114,7 +114,8 @@ def _corrupt(e: Exception, dst: str) -> int:
 def _count(state: dict[str, Any]) -> tuple[int, int, int]:
     """Tensors, other values and tensor bytes of ``state`` (as DCP flattens it)."""
     import torch
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from dcp_plus._compat.torch_dcp import flatten_state_dict
 
     flat, _ = flatten_state_dict(state)
     tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 
+from dcp_plus._compat.torch_dcp import flatten_state_dict, unflatten_state_dict
 from dcp_plus.errors import DcpPlusError
 
 

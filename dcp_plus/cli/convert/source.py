@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from dcp_plus._compat.torch_dcp import EmptyStateDictLoadPlanner
 from dcp_plus.errors import DcpPlusError, UnsafeCheckpointError
 from dcp_plus.manager.control import quiet_if_alone
 from dcp_plus.manager.handle import rank_causes
@@ -89,7 +89,7 @@ def backend_for_source(path: str, storage_options: Mapping[str, Any]) -> Any:
         raise DcpPlusError(str(e)) from None
 
 
-class _SafeLoadAll(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
+class _SafeLoadAll(SafeLoadPlanner, EmptyStateDictLoadPlanner):
     """Every key of the checkpoint; non-tensor values only as ``weights_only`` loads them."""
 
 
@@ -122,7 +122,7 @@ def load_all(source: Source, names: Collection[str], progress: Progress) -> dict
         DCP's ``CheckpointException``.
     """
     planner = _loading_planner(
-        _EmptyStateDictLoadPlanner if source.unpickles else _SafeLoadAll, names, progress)
+        EmptyStateDictLoadPlanner if source.unpickles else _SafeLoadAll, names, progress)
     with quiet_if_alone(True):
         try:
             dcp.load({}, storage_reader=source.reader, planner=planner, no_dist=True)

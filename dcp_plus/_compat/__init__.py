@@ -1,0 +1,1 @@
+"""What differs between the torch releases dcp_plus supports, kept out of the other layers."""
