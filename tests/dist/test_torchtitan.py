@@ -336,3 +336,22 @@ def test_converted_to_stock_dcp_a_step_resumes_in_stock_torchtitan(
     assert sorted(v) == list(range(10, STEPS + 1))
     for step, loss in v.items():
         assert loss == a[step], (step, loss, a[step])
+
+
+def test_settings_in_the_override_json_reach_dcp_plus_on_a_stock_config(
+        titan: dict[str, Any]) -> None:
+    """The documented form for a stock config: dcp_plus's settings in the override's JSON
+    (TorchTitan refuses them as --checkpoint.* flags there)."""
+    root = titan["root"]
+    override = ('dcp_plus.integrations.torchtitan.use_dcp_plus='
+                '{"adaptive_budget": 0.05, "adaptive_warmup": 2}')
+    assert _job(root, "W", "stock_cpu", root / "W", ["--override.imports", override,
+                                                      "--checkpoint.async_mode", "async"]) \
+        == [0, 0], log_tail(root, "W")
+    assert "checkpoint steps chosen by AdaptiveInterval(p=0.05, warmup=2)" in \
+        (root / "W.rank0.log").read_text()
+    refused = _job(root, "X", "stock_cpu", root / "X",
+                   ["--override.imports", "dcp_plus.integrations.torchtitan.use_dcp_plus",
+                    "--checkpoint.adaptive_budget", "0.05"])
+    assert all(code != 0 for code in refused)
+    assert "Unrecognized options: --checkpoint.adaptive_budget" in (root / "X.rank0.log").read_text()
