@@ -16,7 +16,7 @@ TORCH_FLOOR := 2.11.0
 FLOOR_VENV  := .venv-torch-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 
-.PHONY: demo test api-docs test-torchtitan test-torch-floor nfs-server lint typecheck bench \
+.PHONY: demo test api-docs test-torchtitan test-torch-floor test-install nfs-server lint typecheck bench \
         bench-compression gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
@@ -49,6 +49,7 @@ test: lint typecheck api-docs
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 	$(MAKE) test-torchtitan
 	$(MAKE) test-torch-floor
+	$(MAKE) test-install
 
 # TorchTitan needs its own venv: its `datasets` dependency pins an older fsspec than s3fs.
 $(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
@@ -88,6 +89,18 @@ bench: $(BENCH_STAMP)
 
 bench-compression: $(BENCH_STAMP)
 	$(PY) -m benchmarks.compression $(BENCH_ARGS)
+
+# A user's install: the wheel built from this tree, `pip install 'dcp_plus-*.whl[s3]'` into a
+# fresh venv that already has its own torch (the pinned one here), then tools/install_check.py
+# run from outside the tree.
+INSTALL_VENV := build/install-venv
+test-install:
+	rm -rf build/wheel $(INSTALL_VENV)
+	$(PYTHON) -m pip wheel -q --no-deps -w build/wheel .
+	$(PYTHON) -m venv $(INSTALL_VENV)
+	$(INSTALL_VENV)/bin/python -m pip install -q -c constraints.txt torch
+	$(INSTALL_VENV)/bin/python -m pip install -q -c constraints.txt "$$(ls build/wheel/dcp_plus-*.whl)[s3]"
+	cd build && install-venv/bin/python ../tools/install_check.py
 
 # Wheels the GPU machine lacks (Python 3.12 there): carried in .whl/ by benchmarks/gpu_check.sh.
 gpu-wheels:
