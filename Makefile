@@ -109,4 +109,5 @@ gpu-wheels:
 	    -d .whl "zstandard>=0.22"
 
 clean:
-	rm -rf $(VENV) $(TITAN_VENV) $(FLOOR_VENV) checkpoints .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(TITAN_VENV) $(FLOOR_VENV) build checkpoints .pytest_cache .mypy_cache \
+	    .ruff_cache

@@ -31,6 +31,10 @@ class UnsafeCheckpointError(DcpPlusError):
     """Loading would require unpickling untrusted data and that was not allowed."""
 
 
+class StockCheckpointError(UnsafeCheckpointError):
+    """The checkpoint was written by stock DCP (a pickled record) and ``allow_pickle`` is off."""
+
+
 class WorkerError(DcpPlusError, RuntimeError):
     """A writer worker process died or failed while writing."""
 

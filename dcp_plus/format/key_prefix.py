@@ -170,8 +170,8 @@ def decode_marker(data: bytes, source: str) -> list[KeyPrefixes]:
         if root.get("format") != MARKER_FORMAT or root.get("version") != 1:
             raise ValueError("not a key-prefix marker")
         return [_from_spec(s) for s in root["strategies"]]
-    except (ValueError, TypeError, KeyError, AttributeError) as e:
-        raise ValueError(f"{source}: {e}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
+        raise ValueError(f"{source}: {e!s:.200}") from None
 
 
 def _split(path: str) -> tuple[str, str, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dcp_plus.errors import UnsafeCheckpointError
+from dcp_plus.errors import StockCheckpointError
 from dcp_plus.manager.handle import rank_causes
 
 ALLOW_PICKLE_OVERRIDE = (
@@ -15,14 +15,14 @@ ALLOW_PICKLE_OVERRIDE = (
 own ``--checkpoint.*`` flags are parsed before the override adds the field)."""
 
 
-STOCK_RECORD = "was written by stock DCP"
-"""In the readers' ``UnsafeCheckpointError``; some torch releases hand DCP's caller only the
-message of a reader's error (``AssertionError: metadata is None; ...``), not the error."""
+STOCK_RECORD = "was written by stock DCP: its .metadata is a pickle"
+"""The start of the readers' :class:`StockCheckpointError`; a torch release that hands DCP's
+caller only a reader error's message (``AssertionError: metadata is None; ...``) keeps it."""
 
 
 def _unsafe(exc: BaseException) -> BaseException | None:
-    """The reader's "stock checkpoint" error behind ``exc`` (DCP wraps reader errors per
-    rank), or ``None``."""
+    """The reader's :class:`StockCheckpointError` behind ``exc`` (DCP wraps reader errors per
+    rank), or ``None``; other refusals (an unsafe value in a dcp_plus checkpoint) are not it."""
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -30,7 +30,7 @@ def _unsafe(exc: BaseException) -> BaseException | None:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, UnsafeCheckpointError) or STOCK_RECORD in str(e):
+        if isinstance(e, StockCheckpointError) or STOCK_RECORD in str(e):
             return e
         todo.extend(c for _, c in rank_causes(e) if c is not e)
         todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
@@ -45,10 +45,10 @@ def stock_checkpoint_hint(checkpoint_id: str) -> Iterator[None]:
     except BaseException as e:
         if _unsafe(e) is None:
             raise
-        raise UnsafeCheckpointError(
+        raise StockCheckpointError(
             f"{checkpoint_id} was written by stock DCP (TorchTitan without dcp_plus): its "
             ".metadata is a pickle, and unpickling can run arbitrary code, so dcp_plus does "
             "not load it by default. Only if you trust it, set checkpoint.allow_pickle_on_load:"
             f" on the command line {ALLOW_PICKLE_OVERRIDE}, or in a recipe "
             "with_dcp_plus(config, allow_pickle_on_load=True). Checkpoints saved from then on "
-            "are dcp_plus ones") from None
+            "are dcp_plus ones") from e

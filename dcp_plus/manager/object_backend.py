@@ -13,14 +13,17 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from dcp_plus.errors import DcpPlusError, InvalidOptionError
 from dcp_plus.format.key_prefix import (
     MARKER_NAME,
+    RoundRobinPrefixes,
     bucket_path,
     decode_marker,
+    encode_marker,
     insert_prefix,
 )
 from dcp_plus.format.record import RECORD_NAME, decode_record
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
 from dcp_plus.manager.options import ObjectStoreReaderOptions, ObjectStoreWriterOptions
 from dcp_plus.storage.objectio import ObjectStore, StoreConfig, open_store
+from dcp_plus.storage.urls import prefixable
 
 log = logging.getLogger(__name__)
 PROBED_PREFIXES = 256
@@ -95,6 +98,9 @@ class ObjectStoreBackend:
             sizes: dict[str, int | None] = {}
             for index, ext in md.storage_data.items():
                 if ext.file not in sizes:
+                    if ext.prefix is not None and not prefixable(path):
+                        raise DcpPlusError(f"{path}: its record names key prefixes, which "
+                                           "this store does not take")
                     folder = p if ext.prefix is None else insert_prefix(p, ext.prefix)
                     try:
                         sizes[ext.file] = int(fs.size(f"{folder}/{ext.file}"))
@@ -109,15 +115,37 @@ class ObjectStoreBackend:
             return [f"{path}: {e}"]
 
     def uncommit(self, path: str) -> None:
+        self._keep_record_prefixes(path)  # remove_tree, after this, finds them in the marker
         fs, p = self._fs_path(self.join(path, RECORD_NAME))
         try:
             fs.rm_file(p)
         except FileNotFoundError:
             pass
 
+    def _keep_record_prefixes(self, path: str) -> None:
+        """Add the key prefixes the record names to the ``.key_prefixes`` marker."""
+        record = self.read(self.join(path, RECORD_NAME))
+        if record is None or record[:1] != b"{":
+            return
+        try:
+            md = decode_record(record, self.join(path, RECORD_NAME))
+        except DcpPlusError:
+            return
+        prefixes = sorted({e.prefix for e in md.storage_data.values() if e.prefix})
+        if not prefixes:
+            return
+        marker = self.read(self.join(path, MARKER_NAME))
+        try:
+            strategies = [] if marker is None else decode_marker(marker, path)
+        except ValueError:
+            strategies = []
+        strategies.append(RoundRobinPrefixes(prefixes))
+        self.write_atomic(self.join(path, MARKER_NAME), encode_marker(strategies))
+
     def remove_tree(self, path: str) -> None:
         fs, p = self._fs_path(path)
-        for prefix in self._key_prefixes(fs, p, path):  # before the marker that names them
+        prefixes = self._key_prefixes(fs, p, path) if prefixable(path) else []
+        for prefix in prefixes:  # before the marker that names them
             target = insert_prefix(p, prefix)
             fs.invalidate_cache(target)
             try:

@@ -28,7 +28,7 @@ from dcp_plus.errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    UnsafeCheckpointError,
+    StockCheckpointError,
 )
 from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.extent import BYTESIO
@@ -98,7 +98,7 @@ class ExtentReader(StoreClient, StorageReader):
         self.threads = threads
         self.allow_pickle = allow_pickle
         self._stock: StorageReader | None = None
-        self._refused = False  # the last read_metadata failed
+        self._refused: Exception | None = None  # why the last read_metadata failed
         self._extents: dict[MetadataIndex, Extent] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
 
@@ -161,17 +161,19 @@ class ExtentReader(StoreClient, StorageReader):
         """
         # dcp.load catches what read_metadata raises (torch 2.11 drops it, later releases keep
         # only its text) and then asks for rank-local metadata, which dcp_plus checkpoints
-        # never have. That second call reads the record again and, failing again, returns a
-        # RefusedRecord, whose first use (a planner's, or set_up_storage_reader's) raises the
+        # never have. That second call returns a
+        # RefusedRecord of the first error, whose first use (a planner's, or set_up_storage_reader's) raises the
         # refusal; DCP reports it as this rank's failure, so the user sees our error on every
         # torch. A call without ``rank=``, or one after a successful read, raises.
-        retry, self._refused = "rank" in kwargs and self._refused, False
+        # The retry never reads again: a rank whose retry succeeded (a passing network error)
+        # would plan alone while the others wait in a collective.
+        refused, self._refused = self._refused, None
+        if "rank" in kwargs and refused is not None:
+            return RefusedRecord(refused)
         try:
             return self._read_record(*args)
         except Exception as e:
-            self._refused = True
-            if retry:
-                return RefusedRecord(e)
+            self._refused = e
             raise
 
     def _read_record(self, *args: Any) -> Metadata:
@@ -182,7 +184,7 @@ class ExtentReader(StoreClient, StorageReader):
         if data[:1] != bytes([PICKLE_PROTOCOL_BYTE]):
             raise CheckpointFormatError(f"{where}: neither a dcp_plus record nor a DCP pickle")
         if not self.allow_pickle:
-            raise UnsafeCheckpointError(
+            raise StockCheckpointError(
                 f"{self.path} was written by stock DCP: its {RECORD_NAME} is a pickle, and "
                 f"unpickling can run arbitrary code. Pass {type(self).__name__}(..., "
                 "allow_pickle=True) only if you trust this checkpoint")

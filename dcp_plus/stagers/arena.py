@@ -193,11 +193,15 @@ class Arena:
         )
         """The CUDA device of every CUDA tensor; ``None``: none, or several (no GPU mode)."""
 
-    def drop_mirror(self) -> None:
-        """Give the device mirror's memory back, if this arena holds one."""
-        if self.mirror is not None:
-            self.mirror.free()
-            self.mirror = None
+    def drop_mirror(self) -> tuple[int, int] | None:
+        """Give the device mirror's memory back, if this arena holds one; returns its
+        ``(device, bytes)``."""
+        if self.mirror is None:
+            return None
+        freed = (self.mirror.device, self.mirror.nbytes)
+        self.mirror.free()
+        self.mirror = None
+        return freed
 
     @property
     def nbytes(self) -> int:

@@ -113,6 +113,7 @@ class ArenaStager(AsyncStager):
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
         self._set = ArenaSet(slab_bytes, max_bytes)
+        self._set.mirror_dropped = self._device.dropped
         self._pool = SlabPool()  # pre-faulted slabs for the first arena
         self._prefaulted: Future[None] | None = None  # the guard's pre-fault job, if any
         self._closed = False

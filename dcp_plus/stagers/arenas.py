@@ -7,6 +7,7 @@ Not thread-safe: :class:`~dcp_plus.stagers.ArenaStager` calls it holding its loc
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -28,6 +29,8 @@ class ArenaSet:
         self.current: Arena | None = None
         self.last: Arena | None = None
         """The arena of the previous snapshot (the stager's driver thread sets it)."""
+        self.mirror_dropped: Callable[[int, int], None] | None = None
+        """Told ``(device, bytes)`` of a device mirror freed with its retired arena."""
 
     @property
     def nbytes(self) -> int:
@@ -58,7 +61,9 @@ class ArenaSet:
         if cur is not None:
             logger.info("ArenaStager: state-dict structure changed; allocating a new arena")
             cur.retired = True
-            cur.drop_mirror()  # snapshots of the old structure are all copied by now
+            freed = cur.drop_mirror()  # snapshots of the old structure are all copied by now
+            if freed is not None and self.mirror_dropped is not None:
+                self.mirror_dropped(*freed)
             self.drop_if_idle(cur)
         pin = any(dev != "cpu" for *_, dev in fp) and torch.cuda.is_available()
         arena = Arena(fp, plan_layout(fp, self.slab_bytes), pin=pin)

@@ -155,11 +155,15 @@ class CopyEngine:
         """Copy every ``src`` into its ``dst``; returns when all bytes have landed."""
         cpu = [(s, d) for s, d in pairs if s.device.type == "cpu"]
         gpu = [(s, d) for s, d in pairs if s.device.type == "cuda"]
-        done_events = self._issue_cuda(gpu, events or {}) if gpu else []
-        if cpu:
-            self._copy_cpu(cpu)
-        for ev in done_events:
-            ev.synchronize()
+        done_events: list[Any] = []
+        try:
+            if gpu:
+                done_events = self._issue_cuda(gpu, events or {})
+            if cpu:
+                self._copy_cpu(cpu)
+        finally:  # also on error: no queued copy may still write a buffer the caller frees
+            for ev in done_events:
+                ev.synchronize()
         other = len(pairs) - len(cpu) - len(gpu)
         if other:
             for s, d in pairs:
@@ -215,7 +219,8 @@ class CopyEngine:
     ) -> None:
         """GPU-mode snapshot: copy ``to_mirror`` (live CUDA tensor, mirror view) pairs and the
         ``cpu`` pairs, call ``released(device_copy_s)`` once no live tensor is read any more,
-        then return when the ``to_host`` (slab bytes, mirror bytes) copies have landed.
+        then return when the ``to_host`` (mirror bytes, slab bytes) copies have landed. Every
+        pair is ``(source, destination)``.
 
         Everything runs on the device's side stream, after the work the caller queued before
         ``stage()``; the device -> host copies are queued right behind the device copy.
@@ -239,7 +244,10 @@ class CopyEngine:
             released(start.elapsed_time(on_device) / 1e3)
             on_host.synchronize()
         except BaseException:
-            stream.synchronize()  # no copy may still write a buffer the caller frees
+            try:
+                stream.synchronize()  # no copy may still write a buffer the caller frees
+            except Exception as e:  # a sticky CUDA error: keep the first one
+                logger.warning("ArenaStager: side stream not drained after a failure: %s", e)
             raise
 
     def allocate_mirror(

@@ -214,6 +214,10 @@ class DeviceCopyPolicy:
         """The mirror (``nbytes``) was just freed: training's peak so far still counts it."""
         self._dropped[device] = (int(torch.cuda.max_memory_allocated(device)), nbytes)
 
+    def allocated(self, device: int) -> None:
+        """A mirror holds memory again: the peak from now on counts it as it is."""
+        self._dropped.pop(device, None)
+
     def margin(self, mem: DeviceMemory) -> int:
         """The safety margin on a device of ``mem.total`` bytes."""
         if self.margin_bytes is not None:

@@ -157,15 +157,16 @@ class Snapshotter:
             policy.reason = "CUDA tensors on several devices: host copy"
             return None
         if not policy.choose(arena.mirror_plan, arena.mirror, device):
-            if arena.mirror is not None:
-                policy.dropped(device, arena.mirror.nbytes)
-            arena.drop_mirror()
+            freed = arena.drop_mirror()
+            if freed is not None:
+                policy.dropped(*freed)
             return None
         if arena.mirror is None:
             try:
                 arena.mirror = self._engine.allocate_mirror(
                     arena.mirror_plan, device, arena.layout.extents, arena.on_device
                 )
+                policy.allocated(device)
             except torch.OutOfMemoryError as e:
                 # not again for this structure: each failed try empties training's cache
                 arena.mirror_failed = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from dcp_plus.format.key_prefix import insert_prefix
+from dcp_plus.storage.urls import prefixable
 
 
 class Placed:
@@ -23,8 +24,13 @@ class Placed:
         """From now on, object ``name`` of ``files`` lies under key prefix ``files[name]``.
 
         Raises:
-            ValueError: an unsafe prefix, or a URL with no key below its bucket.
+            ValueError: an unsafe prefix, a URL with no key below its bucket, or a store
+                whose URL takes no key prefixes (a file system's: a record naming prefixes
+                there would point outside the checkpoint's folder).
         """
+        if files and not prefixable(self.url):
+            raise ValueError(f"{self.url} is no object-store URL, so its objects have no key "
+                             "prefixes")
         if not hasattr(self, "_placed"):
             self._placed, self._folders = {}, {}
         for prefix in set(files.values()) - set(self._folders):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import math
 import mmap
 import os
@@ -35,6 +36,8 @@ GRANT = 4 << 20
 """The largest share of the budget one write takes at a time (a multiple of 4 KiB, so cut
 ``O_DIRECT`` writes stay aligned): a short save is shaped too."""
 _PREFIX = "dcpp-"  # with the creator's pid next: memory.slabs.remove_orphans reaps leftovers
+
+log = logging.getLogger(__name__)
 
 
 def _number_problem(value: object, what: str) -> str | None:
@@ -79,13 +82,34 @@ def check_shaping(owner: str, max_bytes_per_s: object, stagger: object) -> None:
         raise ValueError(f"{owner} {bad[0]} {bad[1]}")
 
 
+LOCAL_RANK_VARIABLES = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                        "MPI_LOCALRANKID")
+"""Where launchers put a process's rank on its node: torchrun, SLURM's srun, Open MPI,
+MPICH/Intel MPI."""
+
+
+def local_rank(rank: int) -> int:
+    """This process's rank on its node, from the launcher's environment; else ``rank`` modulo
+    ``LOCAL_WORLD_SIZE``; else 0 (with a warning: never a global rank, whose wait would
+    grow with the job)."""
+    for var in LOCAL_RANK_VARIABLES:
+        value = os.environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    per_node = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if per_node.isdigit() and int(per_node) > 0:
+        return rank % int(per_node)
+    log.warning("stagger: no local rank in the environment (%s, LOCAL_WORLD_SIZE); rank %d "
+                "starts at once", ", ".join(LOCAL_RANK_VARIABLES), rank)
+    return 0
+
+
 def stagger_delay(stagger: float, rank: int) -> float:
-    """Seconds rank ``rank`` waits before its persist: its local rank (``LOCAL_RANK``, as
-    torchrun sets it; the global rank without it) times ``stagger``."""
+    """Seconds rank ``rank`` waits before its persist: its rank on its node
+    (:func:`local_rank`) times ``stagger``."""
     if not stagger:
         return 0.0
-    local = os.environ.get("LOCAL_RANK", "")
-    return (int(local) if local.isdigit() else rank) * stagger
+    return local_rank(rank) * stagger
 
 
 @dataclass(frozen=True)

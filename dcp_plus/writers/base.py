@@ -345,7 +345,12 @@ class CommittingWriter(StoreClient, StorageWriter):
             log.warning("%s: the replaced commit record names key prefixes; the files under "
                         "them are left in place", self.checkpoint_id)
             return {f for f, p in files.items() if p is None}
-        self._place(placed)
+        try:
+            self._place(placed)
+        except ValueError as e:  # a hostile record (a prefix this location cannot take)
+            log.warning("%s: the replaced commit record's key prefixes are refused (%s); the "
+                        "files under them are left in place", self.checkpoint_id, e)
+            return {f for f, p in files.items() if p is None}
         return set(files)
 
     def close(self) -> None:

@@ -299,7 +299,7 @@ def test_adopting_dcp_plus_on_stock_checkpoints_names_the_setting_and_then_resum
     assert all(code != 0 for code in adopted["T"])
     # the error the job ends with (DCP also logs the reader's own one on its way)
     final = [line for line in (root / "T.rank0.log").read_text().splitlines()
-             if "UnsafeCheckpointError:" in line][-1]
+             if "StockCheckpointError:" in line][-1]
     assert "written by stock DCP" in final and "checkpoint.allow_pickle_on_load" in final
     assert "use_dcp_plus={\"allow_pickle_on_load\": true}" in final
     assert "LocalReader" not in final  # not the reader API a TorchTitan user never calls

@@ -30,6 +30,7 @@ from dcp_plus import (
 from dcp_plus.format.key_prefix import (
     MARKER_NAME,
     KeyPrefixes,
+    decode_marker,
     encode_marker,
     insert_prefix,
     parse_key_prefixes,
@@ -302,3 +303,39 @@ def test_cli_verify_and_gc_follow_the_prefixes(bucket: str, capsys: Any) -> None
     assert not [n for n in names if "step_00000001" in n]
     assert [n for n in names if n.endswith(".dcpp")][0].startswith("00/run/step_00000002/")
     assert main(["verify", f"{root}/step_00000002"]) == 0
+
+
+def test_retention_finds_the_records_prefixes_without_the_marker(bucket: str) -> None:
+    root = f"memory://{bucket}/run"
+    opts = ObjectStoreWriterOptions(key_prefixes=RoundRobinPrefixes(["a", "b"]))
+    with CheckpointManager(root, writer_options=opts, keep_last=1, interval=1) as m:
+        m.save(1, {"w": torch.full((1000,), 1.0)}).result(timeout=60)
+        FS.rm(f"/{bucket}/run/step_00000001/{MARKER_NAME}")  # lost, or never readable
+        m.save(2, {"w": torch.full((1000,), 2.0)}).result(timeout=60)
+    assert not [n for n in objects(bucket) if "step_00000001" in n]
+
+
+def test_a_deeply_nested_marker_is_unreadable_not_fatal(bucket: str) -> None:
+    path = f"memory://{bucket}/run/step_00000001"
+    FS.pipe_file(f"/{bucket}/run/step_00000001/{MARKER_NAME}", b"[" * 100_000)
+    with pytest.raises(ValueError, match=MARKER_NAME):
+        decode_marker(b"[" * 100_000, f"{path}/{MARKER_NAME}")
+    ObjectStoreBackend().remove_tree(path)
+    assert objects(bucket) == []
+
+
+def test_a_prefixed_record_on_a_file_system_url_reads_nothing_outside(bucket: str,
+                                                                     tmp_path: Any) -> None:
+    url = f"memory://{bucket}/run/step_1"
+    fake_save(url, shards(2), HexPrefixes(1))
+    ckpt = tmp_path / "run" / "step_1"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_bytes(FS.cat_file(f"/{bucket}/run/step_1/.metadata"))
+    outside = tmp_path / "0" / "run" / "step_1"  # where a prefix "0" would point
+    outside.mkdir(parents=True)
+    for f in FS.find(f"/{bucket}/0/run/step_1"):
+        (outside / f.rsplit("/", 1)[1]).write_bytes(FS.cat_file(f))
+    with pytest.raises((CheckpointFormatError, CheckpointException), match="key prefixes"):
+        dcp.load({"r0.w": torch.zeros(300, 17)},
+                 storage_reader=ObjectStoreReader(f"file://{ckpt}"), planner=SafeLoadPlanner(),
+                 no_dist=True)

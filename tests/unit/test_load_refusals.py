@@ -119,7 +119,10 @@ def test_read_metadata_called_directly_raises_and_its_stand_in_raises_too(tmp_pa
     with pytest.raises(CheckpointNotFoundError, match="no commit record"):
         reader.read_metadata()  # a call without rank= never gets the stand-in
     save(STATE, ckpt)
+    # DCP's retry right after a failure never reads again, even if the record is there now:
+    # this rank would plan alone while the others wait in a collective
+    assert type(reader.read_metadata(rank=0)).__name__ == "RefusedRecord"
 
-    md = reader.read_metadata(rank=0)
+    md = reader.read_metadata()  # the next load's first call reads afresh
 
     assert set(md.state_dict_metadata) == set(STATE)

@@ -175,10 +175,19 @@ def test_stagger_delays_the_data_write_by_the_local_rank(tmp_path, monkeypatch):
 
 
 def test_stagger_rule_is_local_rank_times_seconds(monkeypatch):
+    for var in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert stagger_delay(0.5, rank=11) == 1.5
     monkeypatch.delenv("LOCAL_RANK")
-    assert stagger_delay(0.5, rank=11) == 5.5
+    monkeypatch.setenv("SLURM_LOCALID", "2")  # srun
+    assert stagger_delay(0.5, rank=1023) == 1.0
+    monkeypatch.delenv("SLURM_LOCALID")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert stagger_delay(0.5, rank=11) == 1.5  # 11 mod 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert stagger_delay(0.5, rank=1023) == 0.0  # never the global rank
     assert stagger_delay(0.0, rank=11) == 0.0
 
 
