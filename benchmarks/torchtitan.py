@@ -4,7 +4,9 @@ Runs the CPU test recipe (llama3 debug model, FSDP over 2 gloo ranks; see
 ``tools/testkit/titan/recipe.py`` and the shims in ``tools/testkit/titan/rank.py``) once per mode,
 all in one invocation, and reports per save the time ``CheckpointManager.save()`` held the
 loop plus the time the next ``maybe_wait_for_staging()`` (before ``optimizer.step()``) waited,
-the slower rank of each save counted::
+the slower rank of each save counted, and the wall time of the step after a save against the
+other steps (on a small machine most of a save's cost is there: the background write
+competes with training for the cores)::
 
     python -m benchmarks.torchtitan --steps 40 --interval 5
 
@@ -47,7 +49,8 @@ def main() -> None:
     root = args.workdir or Path(tempfile.mkdtemp(prefix="titan-bench-"))
     tok, data = make_tokenizer(root / "tokenizer"), make_dataset(root / "data", documents=2000)
     print("| mode | saves | first save ms | later saves: median ms | max ms | "
-          "staging wait ms (median) |\n|---|---|---|---|---|---|")
+          "staging wait ms (median) | step after a save vs other steps, ms (median) |\n"
+          "|---|---|---|---|---|---|---|")
     for i, mode in enumerate(args.modes):
         config, extra = MODES[mode]
         name = f"m{i}"
@@ -57,7 +60,9 @@ def main() -> None:
                "--dump_folder", str(root / name), "--training.steps", str(args.steps),
                "--checkpoint.interval", str(args.interval), "--checkpoint.keep_latest_k", "3",
                *extra]
-        codes = run_titan(cmd, root, env={"DCPP_TITAN_SAVES": str(saves)}, name=name,
+        losses = root / f"{name}.losses.jsonl"
+        codes = run_titan(cmd, root, env={"DCPP_TITAN_SAVES": str(saves),
+                                          "DCPP_TITAN_LOSSES": str(losses)}, name=name,
                           timeout=900)
         if codes != [0, 0]:
             tail = log_tail(root, name, lines=6).splitlines()
@@ -73,8 +78,24 @@ def main() -> None:
         block = [1e3 * max(r["blocking_s"] for r in per_step[s]) for s in steps]
         wait = [1e3 * max(r["staging_wait_s"] for r in per_step[s]) for s in steps]
         later = block[1:] or block
+        after, other = step_times(losses, set(steps))
         print(f"| {mode} | {len(steps)} | {block[0]:.1f} | {statistics.median(later):.1f} | "
-              f"{max(later):.1f} | {statistics.median(wait):.2f} |")
+              f"{max(later):.1f} | {statistics.median(wait):.2f} | "
+              f"{statistics.median(after):.0f} vs {statistics.median(other):.0f} |")
+
+
+def step_times(losses: Path, saved: set[int]) -> tuple[list[float], list[float]]:
+    """Wall ms from one logged step to the next (rank 0), split into those that follow a
+    save (the save call, then a step beside the background persist) and the others. The
+    first save and the steps before it (warm-up) are left out."""
+    rows = [json.loads(line) for line in losses.read_text().splitlines()]
+    t = {r["step"]: r["t"] for r in rows}
+    first = min(saved)
+    after, other = [], []
+    for s in sorted(t):
+        if s - 1 in t and s - 1 > first:
+            (after if s - 1 in saved else other).append(1e3 * (t[s] - t[s - 1]))
+    return after or [float("nan")], other or [float("nan")]
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 import types
 from collections.abc import Callable
 from typing import Any
@@ -93,7 +94,8 @@ def apply_test_hooks() -> None:
                      **kwargs: Any) -> Any:
             if dist.get_rank() == 0:
                 with open(losses, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": float(global_avg_loss)}) + "\n")
+                    f.write(json.dumps({"step": step, "loss": float(global_avg_loss),
+                                        "t": time.monotonic()}) + "\n")
             return log(self, step, global_avg_loss, *args, **kwargs)
 
         MetricsProcessor.log = log_loss  # type: ignore[method-assign]
