@@ -70,11 +70,8 @@ $(FLOOR_STAMP): pyproject.toml constraints.txt
 	$(FLOOR_VENV)/bin/python -m pip install -q -c $(FLOOR_VENV)/constraints.txt -e '.[dev]'
 	touch $(FLOOR_STAMP)
 
-# The library's unit tests; the command-line tests (each a subprocess that imports torch, the
-# CUDA build here: slow) run on the pinned torch only, over the same library code.
 test-torch-floor: $(FLOOR_STAMP)
-	$(FLOOR_VENV)/bin/python -m pytest tests/unit --ignore-glob='tests/unit/test_cli_*' \
-	    --ignore=tests/unit/test_bench_cli.py $(PYTEST_ARGS)
+	$(FLOOR_VENV)/bin/python -m pytest tests/unit $(PYTEST_ARGS)
 
 # The NFS tests run a real user-space NFS server (needs root to install; they skip without it).
 nfs-server:
