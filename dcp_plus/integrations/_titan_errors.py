@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from dcp_plus.errors import StockCheckpointError
-from dcp_plus.manager.handle import rank_causes
+from dcp_plus.manager.handle import wrapped_errors
 
 ALLOW_PICKLE_OVERRIDE = (
     "--override.imports 'dcp_plus.integrations.torchtitan.use_dcp_plus="
@@ -23,18 +23,8 @@ caller only a reader error's message (``AssertionError: metadata is None; ...``)
 def _unsafe(exc: BaseException) -> BaseException | None:
     """The reader's :class:`StockCheckpointError` behind ``exc`` (DCP wraps reader errors per
     rank), or ``None``; other refusals (an unsafe value in a dcp_plus checkpoint) are not it."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, StockCheckpointError) or STOCK_RECORD in str(e):
-            return e
-        todo.extend(c for _, c in rank_causes(e) if c is not e)
-        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-    return None
+    return next((e for e in wrapped_errors(exc)
+                 if isinstance(e, StockCheckpointError) or STOCK_RECORD in str(e)), None)
 
 
 @contextmanager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -92,9 +93,9 @@ def save_error(step: int, path: str, exc: BaseException, what: str) -> Checkpoin
     return err
 
 
-def _detached(exc: BaseException) -> BaseException:
-    """Drop the tracebacks of ``exc`` and of what it wraps: their frames hold the staged
-    state dict, and a handle kept by the caller would keep the stager's buffer forever."""
+def wrapped_errors(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception it wraps (causes, contexts, DCP's per-rank failures),
+    each once."""
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -102,7 +103,14 @@ def _detached(exc: BaseException) -> BaseException:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        e.__traceback__ = None
+        yield e
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
         todo.extend(inner for _, inner in rank_causes(e) if inner is not e)
+
+
+def _detached(exc: BaseException) -> BaseException:
+    """Drop the tracebacks of ``exc`` and of what it wraps: their frames hold the staged
+    state dict, and a handle kept by the caller would keep the stager's buffer forever."""
+    for e in wrapped_errors(exc):
+        e.__traceback__ = None
     return exc
