@@ -9,23 +9,22 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_plus.errors import ClosedError, DcpPlusError, ReadOnlyError
 from dcp_plus.manager.control import ControlGroup
-from dcp_plus.manager.handle import SaveHandle, save_error
+from dcp_plus.manager.handle import SaveHandle
+from dcp_plus.manager.issuing import Issuer, wait_snapshot
 from dcp_plus.manager.lease import DEFAULT_TIMEOUT_S
 from dcp_plus.manager.options import ReaderOptions, WriterOptions, options_for
-from dcp_plus.manager.resume import load_newest
+from dcp_plus.manager.resume import load_fastest, tiers_for
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.manager.root_lease import acquire_for_job, still_held
 from dcp_plus.manager.saving import Completion, SaveHistory
@@ -33,12 +32,13 @@ from dcp_plus.manager.storage import Backend, backend_for
 from dcp_plus.planners import CachedSavePlanner
 from dcp_plus.schedule import AdaptiveInterval, EveryN, IntervalPolicy, SaveStats
 from dcp_plus.stagers import ArenaStager
+from dcp_plus.tiers import Restore, TierOptions
 
 log = logging.getLogger(__name__)
 
 _List = list  # CheckpointManager.list() shadows the builtin in the class body
 PhaseHook = Callable[[str, int], None]
-PHASES = ("stage", "persist", "commit", "retention", "done")
+PHASES = ("stage", "memory", "persist", "commit", "retention", "done")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,8 @@ class CheckpointManager:
         verify_on_load: re-checksum a candidate before ``load_latest`` picks it.
         on_phase: ``hook(phase, step)`` called at each phase of a save (``stage`` on the
             calling thread; ``persist``, ``commit``, ``retention``, ``done`` on the manager's
-            thread); for observability and fault-injection tests.
+            thread; ``memory`` too with a memory tier); for observability and
+            fault-injection tests.
         clock: time source for the measurements (seconds).
         read_only: only list and load (an evaluation job polling a trainer's root): never
             writes, deletes or takes the lease; ``save()`` raises ``ReadOnlyError``.
@@ -85,6 +86,11 @@ class CheckpointManager:
         lease_timeout: seconds without a heartbeat after which a writer on another host is
             considered dead.
         history_size: how many recent ``SaveStats`` ``history`` keeps.
+        memory_tier, durable_every, job_id, peer_tier, ranks_per_node, partner,
+            memory_tier_bytes: the memory and peer tiers, see
+            :class:`~dcp_plus.tiers.TierOptions` and ``docs/tiers.md`` (``memory_tier_bytes``
+            is its ``state_bytes``). ``load_latest`` then restores from the fastest tier and
+            ``last_restore`` says which each rank used.
 
     One root has one writer: a writing manager holds the root's lease (``ROOT/.dcpp-lease``)
     until ``close()``; a second one raises ``LeaseHeldError`` naming the holder. A manager
@@ -104,7 +110,12 @@ class CheckpointManager:
                  verify_on_load: bool = True, on_phase: PhaseHook | None = None,
                  clock: Callable[[], float] = time.perf_counter, read_only: bool = False,
                  takeover: bool = False, lease_timeout: float = DEFAULT_TIMEOUT_S,
-                 history_size: int = 1000) -> None:
+                 history_size: int = 1000, memory_tier: bool = False, durable_every: int = 1,
+                 job_id: str | None = None, peer_tier: bool = False,
+                 ranks_per_node: int | None = None, partner: Callable[[int], int] | None = None,
+                 memory_tier_bytes: int | None = None) -> None:
+        tier_options = TierOptions(memory_tier, durable_every, job_id, peer_tier,
+                                   ranks_per_node, partner, memory_tier_bytes)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         if history_size < 1:
@@ -142,8 +153,15 @@ class CheckpointManager:
             backend, self.root, coordinator=self.is_coordinator, ctl=self._ctl,
             takeover=takeover, timeout_s=lease_timeout)
         self._owns_stager = stager is None and not read_only
-        self._stager = stager if stager is not None or read_only else ArenaStager()
+        self._stager = stager if stager is not None or read_only else ArenaStager(
+            buffers=2 if memory_tier else 1, executor="other" if memory_tier else "thread")
         self._planner = CachedSavePlanner()
+        self._tiers = tiers_for(tier_options, self.root, self.rank, self.world_size, self._stager,
+                                None if process_group is None else
+                                dist.get_process_group_ranks(process_group))
+        self._issuer = Issuer(self._stager, self._planner, self._group, self._dist, self._tiers)
+        self.last_restore: Restore | None = None
+        """What the last ``load_latest`` did: step, each rank's tier, seconds."""
         self._post = ThreadPoolExecutor(1, thread_name_prefix="dcpp-manager")
         self._inflight: SaveHandle | None = None
         self._staging: SaveHandle | None = None
@@ -230,38 +248,23 @@ class CheckpointManager:
         path = self._checkpoints.path(step)
         handle = SaveHandle(step, path, started_at=t_start, waited_s=t_start - t0)
         self._phase("stage", step)
+        fence = self._lease.check if self._lease is not None else None
         try:
-            fence = self._lease.check if self._lease is not None else None
-            writer = self.backend.writer(path, {**self.writer_options.kwargs(), "fence": fence})
-            # without a process group DCP's upload thread warns (by default once per process)
-            # that torch.distributed is disabled: hiding it there takes a process-wide filter
-            self._planner.set_save_context(storage_writer=writer, process_group=self._group)
-            resp = dcp.async_save(state, storage_writer=writer, planner=self._planner,
-                                  async_stager=self._stager, process_group=self._group,
-                                  no_dist=not self._dist)
-            if isinstance(resp, AsyncSaveResponse) and isinstance(self._stager, ArenaStager):
-                self._stager.release_when(resp.upload_completion)  # before our callbacks
+            issued = self._issuer.issue(step, state, lambda: self.backend.writer(
+                path, {**self.writer_options.kwargs(), "fence": fence}))
         except (Exception, CheckpointException) as e:  # staging refused, storage unusable
-            err = save_error(step, path, e, "staging")
-            log.error("%s", err)
             handle.blocking_s = self.clock() - t0
-            handle.staged.set_exception(err)
-            handle.done.set_exception(err)
-            self._completed.append(handle.stats(False, self.clock()))
+            self._completed.append(self._finish.refused(handle, e))
             return handle
-        if isinstance(resp, AsyncSaveResponse):
-            staged, upload = resp.staging_completion, resp.upload_completion
-        else:  # a stager that stages synchronously
-            staged, upload = Future(), resp
-            staged.set_result(None)
+        staged = issued.staged
         stager = self._stager if isinstance(self._stager, ArenaStager) else None
         staged.add_done_callback(lambda f: self._finish.staged(handle, f, stager))
         self._inflight = self._staging = handle
         if not self._guarded:
-            self._wait_snapshot(staged, stager)
+            wait_snapshot(staged, stager)
         handle.blocking_s = self.clock() - t0
         self._iter_checkpoint_s += handle.blocking_s
-        self._post.submit(self._finish.complete, handle, upload)
+        self._post.submit(self._finish.complete, handle, issued)
         return handle
 
     def maybe_save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
@@ -310,20 +313,26 @@ class CheckpointManager:
         self._check_open("load_latest")
         self.wait()
         options = self.reader_options.kwargs()
-        return load_newest(self._checkpoints, state,
-                           reader=lambda path: self.backend.reader(path, options),
-                           verify=self.verify_on_load, ctl=self._ctl, group=self._group,
-                           rank=self.rank)
+        self.last_restore = load_fastest(
+            self._tiers, self._checkpoints, state,
+            reader=lambda path: self.backend.reader(path, options), verify=self.verify_on_load,
+            ctl=self._ctl, group=self._group, rank=self.rank, world_size=self.world_size,
+            clock=self.clock)
+        return None if self.last_restore is None else self.last_restore.step
 
     # -- life cycle -----------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, *, keep_snapshots: bool = False) -> None:
         """Wait for the save in flight, then free the stager, threads and writer workers and
-        release the root's lease."""
+        release the root's lease; remove this rank's memory-tier snapshots unless
+        ``keep_snapshots`` (leaving a ``with`` block by an exception keeps them, for the
+        restart)."""
         if self._closed:
             return
         self.wait()
         self._closed = True
+        if self._tiers is not None:
+            self._tiers.close(remove=not keep_snapshots)
         for h in self._guards:
             h.remove()
         self._guards = []
@@ -340,8 +349,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.close(keep_snapshots=exc_type is not None)
 
     # -- internals ------------------------------------------------------------------------
 
@@ -367,17 +376,6 @@ class CheckpointManager:
         if self._ctl is None or isinstance(self.policy, EveryN):
             return want
         return self._ctl.rank0_decides(want)
-
-    def _wait_snapshot(self, staged: Future[Any], stager: ArenaStager | None) -> None:
-        """Unguarded: wait until the live state may change (in GPU mode, once the device
-        copy is done, not the copy to host)."""
-        if stager is None:
-            wait_futures([staged])
-            return
-        try:
-            stager.synchronize_staging()
-        except DcpPlusError as e:  # also fails the save's handle
-            log.warning("snapshot failed: %s", e)
 
     def _pre_step(self, *_: Any) -> None:
         t0 = self.clock()

@@ -1,8 +1,10 @@
-"""Resume: the newest checkpoint that every rank of the job can verify and load."""
+"""Resume: the newest checkpoint that every rank of the job can verify and load, from the
+fastest tier that has it."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +15,9 @@ from torch.distributed.checkpoint.storage import StorageReader
 from dcp_plus.manager.control import ControlGroup, quiet_if_alone
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.planners import SafeLoadPlanner
+from dcp_plus.stagers import ArenaStager
+from dcp_plus.tiers import Restore, TierOptions, Tiers
+from dcp_plus.tiers.recovery import DURABLE
 
 log = logging.getLogger(__name__)
 
@@ -53,3 +58,41 @@ def load_newest(root: CheckpointRoot, state: dict[str, Any], *,
         log.info("resumed from step %d (%s)", step, path)
         return step
     return None
+
+
+def tiers_for(options: TierOptions, root: str, rank: int, world_size: int, stager: Any,
+              ranks: list[int] | None) -> Tiers | None:
+    """The manager's tiers (None without a memory tier, or for a reader: ``stager`` None)."""
+    if not options.memory_tier or stager is None:
+        return None
+    if not isinstance(stager, ArenaStager) or stager.buffers != 2:
+        raise ValueError("memory_tier=True needs an ArenaStager(buffers=2) (the default "
+                         "stager): the newest snapshot stays in one buffer while the next "
+                         "is taken into the other")
+    stager.skip_unwritten_by(None)  # a kept snapshot must be whole
+    stager.executor = "other"  # only the tier says when a kept snapshot's buffer is free
+    return Tiers(options, root, rank, world_size, ranks)
+
+
+def load_fastest(tiers: Tiers | None, root: CheckpointRoot, state: dict[str, Any], *,
+                 reader: Callable[[str], StorageReader], verify: bool,
+                 ctl: ControlGroup | None, group: Any, rank: int, world_size: int,
+                 clock: Callable[[], float] = time.perf_counter) -> Restore | None:
+    """Restore ``state`` from the fastest tier holding the newest step every rank can
+    restore (durable storage alone without ``tiers``); None when there is none."""
+    t0 = clock()
+    if tiers is not None:
+        def load_durable(step: int, plain_state: dict[str, Any]) -> None:
+            dcp.load(plain_state, storage_reader=reader(root.path(step)),
+                     planner=SafeLoadPlanner(), no_dist=True)
+
+        done = tiers.restore(
+            state, root.committed(), load_durable,
+            gather=ctl.gather if ctl is not None else lambda offer: [offer],
+            everyone=ctl.everyone if ctl is not None else lambda ok: ok)
+        if done is not None and any(t != DURABLE for t in done.tiers):
+            log.info("restored step %d from %s in %.2f s", done.step, done.tiers, done.seconds)
+            return done
+    step = load_newest(root, state, reader=reader, verify=verify, ctl=ctl, group=group,
+                       rank=rank)
+    return None if step is None else Restore(step, [DURABLE] * world_size, clock() - t0)

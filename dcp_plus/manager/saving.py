@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dcp_plus.manager.handle import SaveHandle, save_error
+from dcp_plus.manager.issuing import Issued
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.schedule import SaveStats
 from dcp_plus.stagers import ArenaStager
@@ -69,26 +70,47 @@ class Completion:
         else:
             handle.staged.set_exception(save_error(handle.step, handle.path, e, "staging"))
 
-    def complete(self, handle: SaveHandle, upload: Future[Any]) -> None:
-        """Wait for the commit, then advance ``latest`` and run retention.
+    def refused(self, handle: SaveHandle, e: BaseException) -> SaveStats:
+        """A save that could not start: fail its handle; returns its stats."""
+        err = save_error(handle.step, handle.path, e, "staging")
+        log.error("%s", err)
+        handle.staged.set_exception(err)
+        handle.done.set_exception(err)
+        return handle.stats(False, self.clock())
+
+    def complete(self, handle: SaveHandle, issued: Issued) -> None:
+        """Wait for the snapshot and let the memory tier keep it, wait for the commit, then
+        advance ``latest`` and run retention (durable saves).
 
         ``handle.done`` is resolved on every path, and only once the persist has ended.
         """
         step = handle.step
+        upload = issued.upload
         try:
             wait_futures([handle.staged])
+            kept_error = None
+            if issued.keep is not None:
+                self.phase("memory", step)
+                try:
+                    issued.keep()
+                except Exception as e:  # the durable persist may still succeed: commit it
+                    kept_error = e
             self.phase("persist", step)
             wait_futures([upload])
+            if kept_error is not None and issued.let_go is not None:
+                issued.let_go()  # the persist no longer reads the snapshot either
             failure = upload.exception()
             if failure is not None:
                 self.failed(handle, failure)
                 return
             done_at = self.clock()
             self.phase("commit", step)
-            if self.coordinator and self.lease_held():
+            if issued.durable and self.coordinator and self.lease_held():
                 self.root.write_pointer(step)
                 self.root.retain(self.keep_last, self.keep_every,
                                  lambda s: self.phase("retention", s))
+            if kept_error is not None:
+                raise kept_error
             stats = handle.stats(True, done_at)
             self.history.record(stats)
             self.phase("done", step)

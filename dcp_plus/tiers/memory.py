@@ -1,0 +1,244 @@
+"""The memory tier on one rank: keep each snapshot in ``/dev/shm`` under the job's names, with
+its record written last; list, restore and remove them.
+
+Own snapshots cost no copy: the stager's slabs already hold the bytes, so the tier hard-links
+them under the job's names (a link keeps the memory alive after the stager or the process is
+gone) and writes the record. At most the newest complete snapshot and the one being taken are
+held: once a record is in place, older records and the links only they used are removed.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import xxhash
+
+from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeValueError
+from dcp_plus.format.values import byte_view, unsafe_reason
+from dcp_plus.memory.slabs import SHM_DIR, Slab, registry
+from dcp_plus.tiers import names
+from dcp_plus.tiers.flat import Flat, flatten, plain
+from dcp_plus.tiers.record import DTYPES, TensorEntry, TierRecord, read
+
+log = logging.getLogger(__name__)
+CHUNK = 8 << 20  # hash and copy in pieces that stay in cache between the two
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to one past its last (non-negative strides)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) \
+        * t.element_size()
+
+
+def span_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous uint8 tensor over the bytes ``t`` spans (no copy)."""
+    out = torch.empty(0, dtype=torch.uint8)
+    return out.set_(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                    (span_bytes(t),), (1,))
+
+
+def encode_values(values: Mapping[str, Any]) -> bytes:
+    """``torch.save`` bytes of the non-tensor values (``io.BytesIO`` as raw bytes), refused
+    unless they load with ``weights_only=True``."""
+    raw = {k: torch.frombuffer(bytearray(v.getvalue()) or bytearray(1), dtype=torch.uint8)
+           [: len(v.getvalue())] for k, v in values.items() if isinstance(v, io.BytesIO)}
+    plain_values = {k: v for k, v in values.items() if not isinstance(v, io.BytesIO)}
+    buf = io.BytesIO()
+    torch.save({"values": plain_values, "bytesio": raw}, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        raise UnsafeValueError(
+            f"memory tier: a non-tensor value of {sorted(plain_values)[:4]} does not load with "
+            f"torch.load(weights_only=True) ({unsafe_reason(e)}); use tensors, numbers, "
+            "strings, io.BytesIO, or lists/dicts of them") from None
+    return data
+
+
+def decode_values(data: bytes) -> dict[str, Any]:
+    body = torch.load(io.BytesIO(data), weights_only=True)
+    out = dict(body["values"])
+    out.update({k: io.BytesIO(t.numpy().tobytes()) for k, t in body["bytesio"].items()})
+    return out
+
+
+class MappedFiles:
+    """Memory-tier data files mapped by name, once each (read side)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, torch.Tensor] = {}
+
+    def bytes_of(self, entry: TensorEntry, source: str) -> torch.Tensor:
+        if entry.nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        base = self._open.get(entry.file)
+        if base is None:
+            try:
+                base = Slab(name=entry.file).tensor()
+            except FileNotFoundError:
+                raise CorruptCheckpointError(
+                    f"{source}: data file {entry.file} of tensor {entry.fqn!r} is gone") from None
+            self._open[entry.file] = base
+        if entry.offset + entry.nbytes > base.numel():
+            raise CorruptCheckpointError(
+                f"{source}: tensor {entry.fqn!r} lies past the end of {entry.file}")
+        return base[entry.offset:entry.offset + entry.nbytes]
+
+
+def copy_verified(src: torch.Tensor, dest: torch.Tensor, entry: TensorEntry,
+                  source: str) -> None:
+    """Copy ``entry``'s bytes ``src`` into ``dest``, checking their checksum in the same pass
+    (chunk by chunk while the chunk is in cache, when both sides are contiguous)."""
+    want = DTYPES[entry.dtype]
+    if dest.dtype != want or list(dest.shape) != entry.shape:
+        raise CheckpointFormatError(
+            f"{source}: tensor {entry.fqn!r} is {entry.dtype}{entry.shape} in the snapshot "
+            f"but {str(dest.dtype).removeprefix('torch.')}{list(dest.shape)} here")
+    h = xxhash.xxh3_64()
+    if entry.nbytes == 0:
+        pass
+    elif dest.is_contiguous() and dest.device.type == "cpu" and \
+            entry.stride == list(dest.stride()):
+        out = byte_view(dest)
+        view = byte_view(src)
+        for i in range(0, entry.nbytes, CHUNK):
+            piece = view[i:i + CHUNK]
+            h.update(piece)
+            out[i:i + CHUNK] = piece
+    else:
+        h.update(byte_view(src))
+        typed = src.view(want).as_strided(entry.shape, entry.stride)
+        with torch.no_grad():
+            dest.copy_(typed)
+    if h.hexdigest() != entry.checksum:
+        raise CorruptCheckpointError(
+            f"{source}: tensor {entry.fqn!r} does not match its checksum in shared memory")
+
+
+def restore_into(record: TierRecord, flat: Flat, source: str,
+                 read_bytes: Any) -> dict[str, Any]:
+    """Copy ``record``'s tensors into ``flat``'s (verified); returns its non-tensor values.
+
+    ``read_bytes(entry)`` gives an entry's bytes as a uint8 tensor.
+    """
+    if record.fingerprint != flat.fingerprint:
+        raise CheckpointFormatError(
+            f"{source}: the snapshot's structure (fingerprint {record.fingerprint}) is not "
+            f"this state dict's ({flat.fingerprint})")
+    for e in record.entries:
+        dest = flat.tensors.get(e.fqn)
+        if dest is None:
+            raise CheckpointFormatError(f"{source}: tensor {e.fqn!r} is not in the state dict")
+        copy_verified(read_bytes(e), dest, e, source)
+    return decode_values(record.values_bytes())
+
+
+class MemoryTier:
+    """The own snapshots of rank ``rank`` of job ``job``."""
+
+    def __init__(self, job: str, rank: int, world_size: int) -> None:
+        self.job, self.rank, self.world_size = job, rank, world_size
+        self._lock = threading.Lock()
+
+    # -- taking ---------------------------------------------------------------------------
+
+    def take(self, step: int, staged: Mapping[str, Any]) -> TierRecord:
+        """Record the staged snapshot of ``step`` (already complete in the stager's slabs),
+        then drop older snapshots. Returns its record."""
+        flat = flatten(staged)
+        entries = []
+        for fqn, t in flat.tensors.items():
+            span = span_view(t) if t.numel() else torch.empty(0, dtype=torch.uint8)
+            file, offset = "", 0
+            if span.numel():
+                ref = registry.lookup(span)
+                if ref is None:
+                    raise UnsafeValueError(
+                        f"memory tier: tensor {fqn!r} of step {step} is not in a "
+                        "stager slab; the memory tier needs the manager's ArenaStager")
+                file = names.link_name(self.job, self.rank, ref.slab)
+                offset = ref.offset
+                self._link(ref.slab, file)
+            entries.append(TensorEntry(
+                fqn, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()),
+                file, offset, span.numel(), xxhash.xxh3_64_hexdigest(byte_view(span))))
+        data = encode_values(flat.values)
+        record = TierRecord(self.job, step, self.world_size, self.rank, self.rank,
+                            flat.fingerprint, entries, base64.b64encode(data).decode("ascii"),
+                            xxhash.xxh3_64_hexdigest(data), created=time.time())
+        with self._lock:
+            record.write()
+            self.prune(keep=record)
+        return record
+
+    def _link(self, slab: str, link: str) -> None:
+        try:
+            os.link(os.path.join(SHM_DIR, slab), os.path.join(SHM_DIR, link))
+        except FileExistsError:
+            pass  # this slab is linked already (an earlier snapshot in the same buffer)
+
+    def prune(self, keep: TierRecord | None) -> None:
+        """Remove every own record but ``keep`` (None: all), then every own link no
+        remaining record uses."""
+        own = [f for f in names.listing(self.job, self.rank) if f.owner == self.rank]
+        kept = None if keep is None else names.record_name(self.job, self.rank, self.rank,
+                                                           keep.step)
+        for f in own:
+            if f.kind == "record" and f.name != kept:
+                names.unlink(f.name)
+        used = set() if keep is None else {e.file for e in keep.entries}
+        for f in own:
+            if f.kind == "link" and f.name not in used:
+                names.unlink(f.name)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def records(self) -> list[TierRecord]:
+        """This rank's complete own snapshots of this world size, newest first."""
+        return [r for r in read_records(self.job, self.rank, owner=self.rank)
+                if r.world_size == self.world_size]
+
+    def remove_all(self) -> None:
+        """Remove every own snapshot (``CheckpointManager.close()``)."""
+        with self._lock:
+            self.prune(keep=None)
+
+
+def read_records(job: str, holder: int, owner: int) -> list[TierRecord]:
+    """Valid records of ``owner``'s snapshots held by ``holder``, newest first (a damaged
+    one is logged and skipped)."""
+    out = []
+    for f in names.listing(job, holder):
+        if f.kind != "record" or f.owner != owner:
+            continue
+        try:
+            out.append(read(f))
+        except (OSError, CheckpointFormatError) as e:
+            log.warning("memory tier: ignoring %s: %s", f.name, e)
+    return sorted(out, key=lambda r: r.step, reverse=True)
+
+
+def restore_own(record: TierRecord, flat: Flat) -> dict[str, Any]:
+    """Restore from this rank's own snapshot ``record``; returns its non-tensor values."""
+    files = MappedFiles()
+    source = f"memory-tier snapshot of rank {record.owner} step {record.step}"
+    return restore_into(record, flat, source, lambda e: files.bytes_of(e, source))
+
+
+def remove_files(files: Iterable[names.TierFile]) -> None:
+    for f in files:
+        names.unlink(f.name)
+
+
+__all__ = ["MemoryTier", "plain", "read_records", "restore_own", "restore_into"]
