@@ -147,6 +147,8 @@ class Tiers:
             for k, v in state.items():
                 if isinstance(v, Stateful):
                     v.load_state_dict(plain_state[k])
+                else:
+                    state[k] = plain_state[k]  # a top-level value was set in the copy
         return done
 
     # -- cleaning up ----------------------------------------------------------------------

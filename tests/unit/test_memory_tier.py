@@ -1,0 +1,125 @@
+"""The memory tier in one process: restore bit-exact from shared memory, records refused when
+torn or edited, a changed structure falls back to durable storage, close() cleans up."""
+
+from __future__ import annotations
+
+import io
+import os
+import uuid
+
+import pytest
+import torch
+
+from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.manager import CheckpointManager
+from dcp_plus.tiers import names
+from dcp_plus.tiers.record import read
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"m": {"w": torch.randn(300, 70, generator=g),
+                  "b": torch.randn(9, generator=g).to(torch.bfloat16),
+                  "i": torch.arange(step, step + 5, dtype=torch.int64),
+                  "t": torch.randn(6, 4, generator=g).t(), "e": torch.empty(0, 3)},
+            "step": step, "blob": io.BytesIO(b"s%d" % step)}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a["m"][k], b["m"][k]) for k in b["m"]) and a["step"] == b["step"] \
+        and a["blob"].getvalue() == b["blob"].getvalue()
+
+
+@pytest.fixture
+def job():
+    job_id = f"u{uuid.uuid4().hex[:12]}"
+    yield job_id
+    for f in names.listing(job_id):
+        names.unlink(f.name)
+
+
+def _saved(root, job, steps=(1, 2, 3)) -> CheckpointManager:
+    m = CheckpointManager(root, memory_tier=True, durable_every=2, job_id=job, takeover=True)
+    for s in steps:
+        m.save(s, _state(s)).result(timeout=60)
+    return m
+
+
+def test_a_new_manager_restores_the_newest_snapshot_from_memory(tmp_path, job):
+    m = _saved(tmp_path / "r", job)
+    assert [c.step for c in m.list()] == [1, 3]  # the 1st and 3rd saves are durable
+    records = [f for f in names.listing(job) if f.kind == "record"]
+    assert [f.step for f in records] == [3]  # older snapshots are dropped
+    m.close(keep_snapshots=True)
+    m2 = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
+    st = _state(0)
+    assert m2.load_latest(st) == 3
+    assert m2.last_restore is not None and m2.last_restore.tiers == ["memory"]
+    assert _equal(st, _state(3))
+    m2.close()
+    assert names.listing(job) == []
+
+
+def test_a_changed_structure_skips_the_memory_tier(tmp_path, job):
+    _saved(tmp_path / "r", job).close(keep_snapshots=True)
+    m2 = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
+    st = _state(0)
+    st["m"]["w"] = torch.zeros(300, 71)  # another shape: the durable checkpoint cannot load
+    st["m"].pop("e")
+    st2 = _state(0)
+    st2["m"]["extra"] = torch.zeros(3)
+    assert m2.load_latest(_state(0)) == 3  # sanity: same structure, from memory
+    m2.close(keep_snapshots=True)
+    m3 = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
+    s = {"m": {k: v for k, v in _state(0)["m"].items() if k != "e"}, "step": 0,
+         "blob": io.BytesIO()}
+    assert m3.load_latest(s) == 3
+    assert m3.last_restore is not None and m3.last_restore.tiers == ["durable"]
+    m3.close()
+
+
+@pytest.mark.parametrize("damage", ["torn", "edited"])
+def test_a_damaged_record_is_refused_and_the_durable_checkpoint_used(tmp_path, job, damage):
+    _saved(tmp_path / "r", job).close(keep_snapshots=True)
+    rec = next(f for f in names.listing(job) if f.kind == "record")
+    with open(rec.path, "rb") as f:
+        data = f.read()
+    data = data[: len(data) // 2] if damage == "torn" else data.replace(b'"step":3', b'"step":4')
+    with open(rec.path, "wb") as f:
+        f.write(data)
+    with pytest.raises(CheckpointFormatError, match="record_checksum"):
+        read(rec)
+    m = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
+    st = _state(0)
+    assert m.load_latest(st) == 3
+    assert m.last_restore is not None and m.last_restore.tiers == ["durable"]
+    assert _equal(st, _state(3))
+    m.close()
+
+
+def test_damaged_snapshot_bytes_are_detected_and_not_loaded(tmp_path, job):
+    m = _saved(tmp_path / "r", job, steps=(1, 2))  # step 2 is in memory only
+    link = next(f for f in names.listing(job) if f.kind == "link")
+    with open(link.path, "r+b") as f:
+        f.write(b"\xff" * 64)
+    m.close(keep_snapshots=True)
+    m2 = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
+    st = _state(0)
+    assert m2.load_latest(st) == 1  # not the damaged step 2: the durable step 1
+    assert _equal(st, _state(1))
+    m2.close()
+
+
+def test_the_memory_tier_refuses_a_stager_with_one_buffer(tmp_path, job):
+    from dcp_plus.stagers import ArenaStager
+
+    with ArenaStager(buffers=1) as stager, pytest.raises(ValueError, match="buffers=2"):
+        CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job, stager=stager)
+
+
+def test_peer_tier_settings_are_checked(tmp_path, job):
+    with pytest.raises(ValueError, match="memory_tier"):
+        CheckpointManager(tmp_path / "r", peer_tier=True, job_id=job)
+    with pytest.raises(ValueError, match="durable_every"):
+        CheckpointManager(tmp_path / "r", memory_tier=True, durable_every=0, job_id=job)
+    assert not os.path.exists(tmp_path / "r" / "step_00000001")
