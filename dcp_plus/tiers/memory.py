@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeValueError
-from dcp_plus.format.values import byte_view, unsafe_reason
+from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.memory.slabs import SHM_DIR, Slab, registry
 from dcp_plus.tiers import names
 from dcp_plus.tiers.flat import Flat, flatten, plain
@@ -56,13 +56,7 @@ def encode_values(values: Mapping[str, Any]) -> bytes:
     buf = io.BytesIO()
     torch.save({"values": plain_values, "bytesio": raw}, buf)
     data = buf.getvalue()
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:
-        raise UnsafeValueError(
-            f"memory tier: a non-tensor value of {sorted(plain_values)[:4]} does not load with "
-            f"torch.load(weights_only=True) ({unsafe_reason(e)}); use tensors, numbers, "
-            "strings, io.BytesIO, or lists/dicts of them") from None
+    check_loads_safely(f"memory tier's values {sorted(plain_values)[:4]}", data)
     return data
 
 
