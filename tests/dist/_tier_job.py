@@ -57,7 +57,11 @@ def main(spec_path: str, rank_arg: str) -> None:
                           job_id=spec["job_id"], takeover=True, keep_last=2, on_phase=hook,
                           interval=1)
     if spec["mode"] == "train":
-        for step in range(1, until + 1):
+        start = spec.get("start", 1)
+        if start > 1:  # a restarted life: resume first
+            state = expected(rank, 0)
+            assert m.load_latest(state) == start - 1
+        for step in range(start, until + 1):
             m.save(step, expected(rank, step)).result(timeout=120)
         os.kill(os.getpid(), signal.SIGKILL)
     state = expected(rank, 0)

@@ -95,3 +95,26 @@ def test_without_snapshots_the_restart_loads_the_durable_checkpoint(tmp_path, jo
     assert res[0]["tiers"] == ["durable", "durable"]
     assert all(r["exact"] for r in res)
     assert os.path.isdir(base["root"])
+
+
+@pytest.mark.parametrize("restarts", [pytest.param(4, id="short"),
+                                      pytest.param(100, id="soak", marks=pytest.mark.slow)])
+def test_restarts_leave_no_shared_memory_beyond_the_current_snapshots(tmp_path, job, restarts):
+    base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
+            "job_id": job, "out": str(tmp_path / "out")}
+    step = 0
+    for i in range(restarts):
+        # each life restores, then saves two more steps and is SIGKILLed after the second
+        spec = {**base, "mode": "train", "until": step + 2, "start": step + 1}
+        assert _run(tmp_path, spec) == [-9] * 2
+        step += 2
+        files = names.listing(job)
+        records = [f for f in files if f.kind == "record"]
+        # per rank: its own newest record and the replica it holds, nothing more
+        assert sorted((f.holder, f.owner) for f in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        assert {f.step for f in records} == {step}, i
+        stale = [f for f in files if f.kind != "record" and f.step not in (None, step)]
+        assert stale == [], i
+    assert _run(tmp_path, {**base, "mode": "resume"}) == [0, 0]
+    assert [r["step"] for r in _results(tmp_path, 2)] == [step, step]
+    assert names.listing(job) == []
