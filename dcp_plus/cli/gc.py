@@ -19,11 +19,33 @@ log = logging.getLogger(__name__)
 
 def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
             keep_last: int | None = None, keep_every: int | None = None,
-            dry_run: bool = False) -> dict[str, Any]:
+            dry_run: bool = False, shm: bool = False,
+            job_id: str | None = None) -> dict[str, Any]:
     """What gc removes (or, with ``dry_run``, would remove) under ``root``: uncommitted step
     folders, and the committed steps retention drops (``keep_last`` newest and multiples of
     ``keep_every`` kept, counting only checkpoints whose record validates; the newest of
-    those always). Damaged checkpoints are listed and kept. JSON-ready."""
+    those always). Damaged checkpoints are listed and kept. With ``shm``, also the job's
+    memory-tier snapshots on this node (``job_id``: default derived from the root), only when
+    no live job holds the root. JSON-ready."""
+    res = _collect(root, storage_options, keep_last, keep_every, dry_run)
+    if shm:
+        res["shm"] = _shm_files(root, job_id, remove=not dry_run)
+    return res
+
+
+def _shm_files(root: str, job_id: str | None, *, remove: bool) -> list[str]:
+    """The job's memory-tier files in ``/dev/shm`` (removed when ``remove``)."""
+    from dcp_plus.tiers import names
+
+    files = names.listing(names.check_job_id(job_id or names.job_id_for(root)))
+    if remove:
+        for f in files:
+            names.unlink(f.name)
+    return sorted(f.name for f in files)
+
+
+def _collect(root: str, storage_options: Mapping[str, Any] | None, keep_last: int | None,
+             keep_every: int | None, dry_run: bool) -> dict[str, Any]:
     if keep_last is not None and keep_last < 1:
         raise DcpPlusError(f"--keep-last {keep_last}: keep at least 1 checkpoint (gc never "
                            "removes the newest committed one)")

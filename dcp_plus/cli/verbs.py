@@ -147,7 +147,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
     from dcp_plus.cli.gc import collect
 
     res = collect(args.root, parse_storage_options(args.storage_option), keep_last=args.keep_last,
-                  keep_every=args.keep_every, dry_run=args.dry_run)
+                  keep_every=args.keep_every, dry_run=args.dry_run, shm=args.shm,
+                  job_id=args.job_id)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -161,6 +162,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
             mark = "  <- latest" if r["latest"] else ""
             state = "DAMAGED" if r["problem"] else "committed"
             print(f"{'kept':<12} {r['name']:<24} {state}{mark}")
+        for name in res.get("shm", []):
+            print(f"{verb:<12} /dev/shm/{name}  memory-tier snapshot")
         if res["held_by"]:
             print(f"note: a job holds this root ({res['held_by']}): gc would refuse now")
         print(f"{len(res['remove'])} {'to remove (dry run)' if res['dry_run'] else 'removed'}, "
@@ -214,6 +217,9 @@ def add_checkpoint_verbs(sub: Any) -> None:
                    help="keep the N newest committed checkpoints (default: all)")
     g.add_argument("--keep-every", type=int, default=None, metavar="K",
                    help="also keep every step that is a multiple of K")
+    g.add_argument("--shm", action="store_true",
+                   help="also remove the job's memory-tier snapshots on this node")
+    g.add_argument("--job-id", default=None, help="the job's job_id, if it set one (--shm)")
     _verb(sub, "diff", "tensors added, removed or changed from checkpoint A to B; exit 1 if "
                        "they differ", cmd_diff, "a", "b")
     i = _verb(sub, "inspect", "list the tensors of a checkpoint (a directory or URL)",

@@ -123,3 +123,19 @@ def test_peer_tier_settings_are_checked(tmp_path, job):
     with pytest.raises(ValueError, match="durable_every"):
         CheckpointManager(tmp_path / "r", memory_tier=True, durable_every=0, job_id=job)
     assert not os.path.exists(tmp_path / "r" / "step_00000001")
+
+
+def test_gc_shm_removes_a_finished_jobs_snapshots_but_not_a_live_ones(tmp_path, job):
+    from dcp_plus.cli.gc import collect
+    from dcp_plus.errors import DcpPlusError
+
+    m = _saved(tmp_path / "r", job)
+    with pytest.raises(DcpPlusError, match="in use"):
+        collect(str(tmp_path / "r"), shm=True, job_id=job)
+    m.close(keep_snapshots=True)
+    held = sorted(f.name for f in names.listing(job))
+    assert held
+    assert collect(str(tmp_path / "r"), shm=True, job_id=job, dry_run=True)["shm"] == held
+    assert sorted(f.name for f in names.listing(job)) == held  # a dry run removes nothing
+    assert collect(str(tmp_path / "r"), shm=True, job_id=job)["shm"] == held
+    assert names.listing(job) == []
