@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import logging
+import mmap
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ import xxhash
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError, UnsafeValueError
 from dcp_plus.format.values import byte_view, check_loads_safely
-from dcp_plus.memory.slabs import SHM_DIR, Slab, registry
+from dcp_plus.memory.slabs import SHM_DIR, registry
 from dcp_plus.tiers import names
 from dcp_plus.tiers.flat import Flat, flatten, plain
 from dcp_plus.tiers.record import DTYPES, TensorEntry, TierRecord, read
@@ -67,6 +68,20 @@ def decode_values(data: bytes) -> dict[str, Any]:
     return out
 
 
+def _map_populated(name: str) -> torch.Tensor:
+    """Map a tier file with its page tables filled at once (``MAP_POPULATE``): a restarted
+    process would otherwise take one minor fault per page on its first read."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        m = mmap.mmap(fd, max(size, 1), flags=flags)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(m, dtype=torch.uint8, count=size) if size else \
+        torch.empty(0, dtype=torch.uint8)
+
+
 class MappedFiles:
     """Memory-tier data files mapped by name, once each (read side)."""
 
@@ -79,7 +94,7 @@ class MappedFiles:
         base = self._open.get(entry.file)
         if base is None:
             try:
-                base = Slab(name=entry.file).tensor()
+                base = _map_populated(entry.file)
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"{source}: data file {entry.file} of tensor {entry.fqn!r} is gone") from None
