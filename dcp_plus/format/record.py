@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.extent import Extent, extent_identity
+from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
 from dcp_plus.format.layout import MAX_RECORD_BYTES
 from dcp_plus.format.planner_data import decode_planner_data, encode_planner_data, planner_paths
 from dcp_plus.format.record_checks import (
@@ -221,25 +222,3 @@ def _decode_record(data: bytes, source: str) -> Metadata:
     return Metadata(state_dict_metadata=sd_md, planner_data=planner_data,
                     storage_data=storage, storage_meta=decode_storage_meta(p, root),
                     version=decode_dcp_version(p, root))
-
-
-EXTENT_TABLE_FORMAT = "dcp_plus-extents"
-
-
-def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
-    """One rank's extents, exchanged through storage instead of the process group."""
-    import json
-
-    return json.dumps({"format": EXTENT_TABLE_FORMAT, "version": FORMAT_VERSION,
-                       "extents": encode_extents(extents)}, separators=(",", ":")).encode()
-
-
-def decode_extent_table(data: bytes, source: str) -> dict[MetadataIndex, Extent]:
-    """Parse :func:`encode_extent_table` output strictly (errors name field and ``source``)."""
-    p = FieldParser(source)
-    root = loads_strict(data, source, "extent table")
-    if p.get(root, "format", str, "") != EXTENT_TABLE_FORMAT:
-        raise p.fail("format", f"expected {EXTENT_TABLE_FORMAT!r}")
-    if p.get(root, "version", int, "") != FORMAT_VERSION:
-        raise p.fail("version", f"unsupported version; expected {FORMAT_VERSION}")
-    return decode_extents(p, p.get(root, "extents", list, ""), None, FORMAT_VERSION)[0]

@@ -40,17 +40,16 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import BOUND_ALGORITHM
-from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.columns import Columns
 from dcp_plus.format.extent import Extent
-from dcp_plus.format.key_prefix import prefix_problem
+from dcp_plus.format.extent_columns import LOCATION_COLUMNS, decode_locations, encode_locations
 from dcp_plus.format.record_checks import INT64_MAX, STORED_DTYPES, check_tiling
 from dcp_plus.format.record_fields import FieldParser
 
 _CHECKSUMS = re.compile(rf"(?:{BOUND_ALGORITHM}:[0-9a-f]{{16}})*")
 _ITEM_COLUMNS = ("fqn", "dtype", "requires_grad", "size")
-_EXTENT_COLUMNS = ("item", "offsets", "sizes", "file", "offset", "length", "raw_length",
-                   "codec", "checksum", "value")
+_CHUNK_COLUMNS = ("item", "offsets", "sizes")
+_EXTENT_COLUMNS = _CHUNK_COLUMNS + LOCATION_COLUMNS
 
 Decoded = tuple[dict[str, TensorStorageMetadata | BytesStorageMetadata],
                 dict[MetadataIndex, Extent], Mapping[MetadataIndex, int]]
@@ -79,30 +78,21 @@ def encode_columns(metadata: Metadata, extents: Mapping[MetadataIndex, Extent],
                           for md in tensors],
         "size": [None if md is None else list(md.size) for md in tensors],
     }
-    files: dict[str, int] = {}
-    codecs: dict[str, int] = {}
-    prefixes: list[str | None] = []
-    rows = [_encode_row(index, ext, position, tensors, files, codecs, prefixes)
-            for index, ext in extents.items()]
+    rows = [_chunk_columns(index, position, tensors) for index in extents]
     stored = sum(len(md.chunks) for md in tensors if md is not None) + tensors.count(None)
     if stored != len(rows):
         raise CheckpointFormatError(f"{len(rows)} extents for {stored} stored chunks and "
                                     "values: every chunk and value has exactly one extent")
-    table = dict(zip(_EXTENT_COLUMNS, map(list, zip(*rows, strict=True)), strict=True)) \
-        if rows else {k: [] for k in _EXTENT_COLUMNS}
-    if not any(table["value"]):
-        del table["value"]
-    out: dict[str, Any] = {"dtypes": list(dtypes), "items": items, "files": list(files)}
-    if any(prefixes):
-        out["prefixes"] = prefixes
-    out["codecs"] = list(codecs)
-    out["extents"] = table
-    return out
+    tables, locations = encode_locations(extents.values())
+    table = dict(zip(_CHUNK_COLUMNS, map(list, zip(*rows, strict=True)), strict=True)) \
+        if rows else {k: [] for k in _CHUNK_COLUMNS}
+    return {"dtypes": list(dtypes), "items": items, **tables,
+            "extents": {**table, **locations}}
 
 
-def _encode_row(index: MetadataIndex, ext: Extent, position: Mapping[str, int],
-                tensors: list[TensorStorageMetadata | None], files: dict[str, int],
-                codecs: dict[str, int], prefixes: list[str | None]) -> tuple[Any, ...]:
+def _chunk_columns(index: MetadataIndex, position: Mapping[str, int],
+                   tensors: list[TensorStorageMetadata | None]) -> tuple[Any, ...]:
+    """``(item, offsets, sizes)`` of the extent of ``index``."""
     item = position.get(index.fqn)
     if item is None:
         raise CheckpointFormatError(f"an extent for {index.fqn!r}, which is no item")
@@ -115,13 +105,7 @@ def _encode_row(index: MetadataIndex, ext: Extent, position: Mapping[str, int],
                                         f"{index.offset}, where it has no chunk")
         if chunk.sizes != md.size or any(chunk.offsets):  # else null: the whole tensor
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-    file = files.setdefault(ext.file, len(files))
-    if file == len(prefixes):
-        prefixes.append(ext.prefix)
-    elif prefixes[file] != ext.prefix:
-        raise CheckpointFormatError(f"{ext.file!r} is recorded under two key prefixes")
-    return (item, offsets, sizes, file, ext.offset, ext.length, ext.raw_length,
-            codecs.setdefault(ext.codec, len(codecs)), ext.checksum, ext.value)
+    return item, offsets, sizes
 
 
 def _chunk_at(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
@@ -175,7 +159,6 @@ def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
                  if pr is not None and math.prod(s) * pr.dtype.itemsize > INT64_MAX)
         raise p.fail(f"items.size[{i}]", f"a tensor of {sizes[i]} {names[dtypes[i]]} is larger "
                                          "than 2^63 bytes")
-    files, prefixes, codecs = _tables(p, root)
     ex = Columns(p, p.get(root, "extents", dict, ""), "extents", _EXTENT_COLUMNS)
     item = ex.ints("item", below=len(fqns))
     row_tensor = list(map(tensor.__getitem__, item))
@@ -186,26 +169,13 @@ def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
                  if (o is None) != (s is None))
         raise p.fail(f"extents[{r}]", "offsets and sizes are both lists or both null")
     _check_chunks_fit(p, item, offsets, chunk_sizes, sizes, explicit)
-    file, codec = ex.ints("file", below=len(files)), ex.ints("codec", below=len(codecs))
-    offset, length, raw = ex.ints("offset"), ex.ints("length"), ex.ints("raw_length")
-    if ex.n and max(map(operator.add, offset, length)) > INT64_MAX:
-        i = next(i for i in range(ex.n) if offset[i] + length[i] > INT64_MAX)
-        raise p.fail(f"extents[{i}]", "extent ends beyond the int64 range")
-    checksums = ex.column("checksum")
-    if set(map(type, checksums)) - {str} or not _CHECKSUMS.fullmatch("".join(checksums)) \
-            or (checksums and set(map(len, checksums)) != {len(BOUND_ALGORITHM) + 17}):
-        raise ex.bad("checksum", checksums, lambda c: type(c) is str and _CHECKSUMS.fullmatch(c)
-                     is not None and len(c) == len(BOUND_ALGORITHM) + 17,
-                     "a version-4 extent checksum")
-    values = ex.texts("value", nullable=True, optional=True)
+    extents = decode_locations(p, root, ex)
     shapes = [None if s is None else torch.Size(s) for s in sizes]
     chunks = _chunks(item, offsets, chunk_sizes, sizes, shapes, not explicit)
     sd_md = _items(p, fqns, props, shapes, item, chunks)
     indexes = list(map(MetadataIndex, map(fqns.__getitem__, item),
                        [None if c is None else c.offsets for c in chunks]))
-    storage = dict(zip(indexes, map(
-        Extent, map(files.__getitem__, file), offset, length, raw, map(codecs.__getitem__, codec),
-        checksums, values, map(prefixes.__getitem__, file)), strict=True))
+    storage = dict(zip(indexes, extents, strict=True))
     if len(storage) != len(indexes):
         first: dict[MetadataIndex, int] = {}
         r = next(r for r, index in enumerate(indexes) if first.setdefault(index, r) != r)
@@ -255,31 +225,6 @@ def _chunks(item: list[int], offsets: list[Any], sizes: list[Any], shape: list[A
         else:
             out.append(ChunkStorageMetadata(torch.Size(o), torch.Size(s)))
     return out
-
-
-def _tables(p: FieldParser, root: dict[str, Any]) -> tuple[list[str], list[Any], list[str]]:
-    """The ``files`` (relative paths), ``prefixes`` and ``codecs`` (known) tables."""
-    files = [p.relative_path(p.text(f, f"files[{i}]"), f"files[{i}]") if type(f) is str
-             else _raise(p.fail(f"files[{i}]", "expected a string"))
-             for i, f in enumerate(p.get(root, "files", list, ""))]
-    if len(set(files)) != len(files):
-        raise p.fail("files", "a data file is listed twice")
-    prefixes = p.get(root, "prefixes", list, "") if "prefixes" in root else [None] * len(files)
-    if len(prefixes) != len(files):
-        raise p.fail("prefixes", f"{len(prefixes)} entries for {len(files)} files")
-    for i, pre in enumerate(prefixes):
-        if pre is not None and prefix_problem(pre) is not None:
-            raise p.fail(f"prefixes[{i}]", f"{prefix_problem(pre)}: it could point outside "
-                                           "the checkpoint")
-    codecs = p.get(root, "codecs", list, "")
-    for i, c in enumerate(codecs):
-        if type(c) is not str or not known_codec(c):
-            raise p.fail(f"codecs[{i}]", f"unknown codec {str(c)[:80]!r}")
-    return files, prefixes, codecs
-
-
-def _raise(error: CheckpointFormatError) -> Any:
-    raise error
 
 
 def _check_chunks_fit(p: FieldParser, item: list[int], offsets: list[Any], sizes: list[Any],

@@ -6,6 +6,7 @@ naming the column and the row; and it decodes to the same ``Metadata`` as the ro
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -167,3 +168,20 @@ def test_small_records_keep_the_row_form(tmp_path: Path):
     path = tmp_path / "ckpt"
     save_rich(path)
     assert read_record_json(path)["version"] == 2
+
+
+def test_a_ranks_extent_table_round_trips_and_is_checked(rich):
+    from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
+
+    extents = decode_record(seal_record(rich[2]), "c").storage_data
+    data = encode_extent_table(extents)
+    assert decode_extent_table(data, "t") == extents
+    rec = json.loads(data)
+    rec["extents"]["chunk"][0] = [-1]
+    with pytest.raises(CheckpointFormatError, match="'extents.chunk\\[0\\]'"):
+        decode_extent_table(json.dumps(rec).encode(), "/c/__1.x.extents")
+    rec = json.loads(data)
+    rec["extents"]["fqn"][1] = rec["extents"]["fqn"][0]
+    rec["extents"]["chunk"][1] = rec["extents"]["chunk"][0]
+    with pytest.raises(CheckpointFormatError, match="two extents"):
+        decode_extent_table(json.dumps(rec).encode(), "/c/__1.x.extents")
