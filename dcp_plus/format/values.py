@@ -10,7 +10,6 @@ import torch
 
 from dcp_plus.errors import UnsafeValueError
 
-
 _NUMPY_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.complex128, torch.complex64,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
