@@ -14,6 +14,7 @@ interleaved save by save so that load drift hits all alike:
 * ``dcp_cached``: ``DefaultSavePlanner(enable_plan_caching=True)`` (DCP's own plan cache)
 * ``cached_save``: ``CachedSavePlanner()``
 * ``cached_save_local``: ``CachedSavePlanner()`` with dcp_plus's ``LocalWriter`` (an extra row)
+* ``dcp_cached_local``: DCP's cached planner with ``LocalWriter``: the planner alone compared
 * ``exchange``: no save, only the two object collectives of DCP's plan step with a hit-sized
   payload, timed like a plan step: the floor under any planner on this machine
 
@@ -75,11 +76,13 @@ from tools.testkit.world import run_ranks
 
 log = logging.getLogger("benchmarks.planner")
 
-PLANNERS = ("dcp_default", "dcp_cached", "cached_save", "cached_save_local", "exchange")
+PLANNERS = ("dcp_default", "dcp_cached", "dcp_cached_local", "cached_save", "cached_save_local",
+            "exchange")
 LABELS = {
     "dcp_default": "DefaultSavePlanner",
     "dcp_cached": "DefaultSavePlanner(enable_plan_caching=True)",
     "cached_save": "CachedSavePlanner",
+    "dcp_cached_local": "DefaultSavePlanner(enable_plan_caching=True) + LocalWriter",
     "cached_save_local": "CachedSavePlanner + LocalWriter",
     "exchange": "floor: DCP's plan exchange alone",
 }
@@ -115,7 +118,7 @@ def make_planner(name: str, tag: str) -> Any:
         return None
     if name == "dcp_default":
         return type(f"TimedDefault_{tag}", (_Timed, DefaultSavePlanner), {})()
-    if name == "dcp_cached":
+    if name in ("dcp_cached", "dcp_cached_local"):
         return type(f"TimedDcpCached_{tag}", (_Timed, DefaultSavePlanner), {})(
             enable_plan_caching=True
         )
@@ -124,13 +127,19 @@ def make_planner(name: str, tag: str) -> Any:
 
 def make_writer(name: str, path: str) -> Any:
     """The storage writer a planner's row uses."""
-    if name == "cached_save_local":
+    if name.endswith("_local"):
         return LocalWriter(path, fsync=False)
     return FileSystemWriter(path, sync_files=False)
 
 
 def state_dict(n: int, world: int, placement: str = "mixed") -> dict[str, Any]:
-    """``n`` small DTensors, ``Replicate()``, ``Shard(0)`` or alternating (``mixed``)."""
+    """``n`` small DTensors, ``Replicate()``, ``Shard(0)`` or alternating (``mixed``); or
+    (``distinct``) ``n`` plain tensors of 8 floats per rank, each rank's its own (as FSDP
+    shards are)."""
+    if placement == "distinct":
+        rank = dist.get_rank()
+        return {"model": {f"r{rank}.layers.{i // 8}.w{i % 8}": torch.full((8,), float(i))
+                          for i in range(n)}}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -176,7 +185,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
     tag = f"{world}_{cfg['tensors']}_{cfg['placement']}"
     planners = {name: make_planner(name, tag) for name in cfg["planners"]}
     out: dict[str, Any] = {name: [] for name in planners}
-    prof = cProfile.Profile() if cfg["profile"] else None
+    profiles = {n: cProfile.Profile() for n in ("cached_save", "cached_save_local")
+                if cfg["profile"] and n in planners}
     with counter.count():
         # Interleaved (save i of every planner, then save i+1) so load drift hits all alike.
         for i in range(cfg["saves"]):
@@ -186,9 +196,9 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
                 if cfg["sync"] != "none":
                     dist.barrier()
                 counter.take()
-                profiled = prof is not None and name == "cached_save" and i > 0
-                if profiled:
-                    prof.enable()  # type: ignore[union-attr]
+                prof = profiles.get(name) if i > 0 else None
+                if prof is not None:
+                    prof.enable()
                 if planner is None:
                     s = plan_exchange(rank, world)
                     out[name].append({"plan_s": s, "save_s": s, "hit": None,
@@ -198,8 +208,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
                 dcp.save(sd, storage_writer=make_writer(name, f"{root}/{name}_{i}"),
                          planner=planner)
                 save_s = time.perf_counter() - t0
-                if profiled:
-                    prof.disable()  # type: ignore[union-attr]
+                if prof is not None:
+                    prof.disable()
                 out[name].append({"plan_s": planner.plan_s, "save_s": save_s,
                                   "hit": getattr(planner, "last_was_hit", None),
                                   "bytes": save_phases(counter.take())})
@@ -207,8 +217,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
             if rank == 0:
                 for name in planners:
                     shutil.rmtree(f"{root}/{name}_{i}", ignore_errors=True)
-    if prof is not None:
-        prof.dump_stats(os.path.join(cfg["profile"], f"cached_save_{tag}_rank{rank}.prof"))
+    for n, prof in profiles.items():
+        prof.dump_stats(os.path.join(cfg["profile"], f"{n}_{tag}_rank{rank}.prof"))
     return out
 
 
@@ -312,8 +322,9 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
               "| config | load avg | other procs (cores) | plan: ours / DCP cached "
               "| plan: floor / DCP cached | save: ours / DCP cached "
               "| plan: ours / DCP default | save: ours / DCP default "
-              "| save: ours + LocalWriter / DCP cached |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| save: ours + LocalWriter / DCP cached | save, both on LocalWriter: ours / "
+              "DCP cached |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for c in configs:
         r = c["results"]
         if "cached_save" not in r or "dcp_cached" not in r:
@@ -330,10 +341,11 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
         floor = "–"
         if "exchange" in r:
             floor = ratio("dcp_cached", "plan_s", mine={"plan_s": _med(r["exchange"], "plan_s")[0]})
-        local = "–"
+        local = "– | –"
         if "cached_save_local" in r:
             mine = {"save_s": _med(r["cached_save_local"], "save_s")[0]}
             local = ratio("dcp_cached", "save_s", mine=mine)
+            local += " | " + ratio("dcp_cached_local", "save_s", mine=mine)
         lines.append(
             f"| {_cfg_name(c)} | {c['load_before']:.2f}–{c['load_after']:.2f} "
             f"| {'?' if c['foreign_cores'] is None else format(c['foreign_cores'], '.2f')} "
@@ -370,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tensors", type=int, nargs="+", default=[3000, 10000])
     parser.add_argument("--placements", nargs="+", default=["replicate", "shard"],
-                        choices=["replicate", "shard", "mixed"])
+                        choices=["replicate", "shard", "mixed", "distinct"])
     parser.add_argument("--saves", type=int, default=10)
     parser.add_argument("--planners", nargs="+", default=list(PLANNERS), choices=PLANNERS)
     parser.add_argument("--sync", default="barrier-gc", choices=["barrier-gc", "barrier", "none"],

@@ -25,6 +25,19 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def json_with_rows(info: dict[str, Any], rows: str) -> str:
+    """``info`` as indented JSON, but the list ``info[rows]`` one compact row per line: as
+    readable, and written by the C encoder (``indent`` runs the pure-Python one: 1 s for a
+    checkpoint of 100,000 tensors)."""
+    def field(key: str, value: Any) -> str:
+        if key == rows and value:
+            value = "[\n" + ",\n".join(f"    {json.dumps(r)}" for r in value) + "\n  ]"
+        else:
+            value = json.dumps(value, indent=2).replace("\n", "\n  ")
+        return f"  {json.dumps(key)}: {value}"
+    return "{\n" + ",\n".join(field(k, v) for k, v in info.items()) + "\n}"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from dcp_plus.readers.inspect import summarize
 
@@ -34,7 +47,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     except CheckpointNotFoundError as e:
         raise root_hint(args.path, options) or e from None
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json_with_rows(info, "items"))
         return 0
     print(f"{'name':<48} {'dtype':<10} {'shape':<20} {'bytes':>12} {'codec':<9} file")
     for r in info["items"]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -10,9 +10,11 @@ BYTESIO = "bytesio"
 """``Extent.value`` of an ``io.BytesIO`` state-dict value stored as its raw bytes."""
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):
     """Where one stored item lives: ``length`` stored bytes at ``offset`` of ``file``.
+
+    A named tuple, not a dataclass: a record of 100,000 tensors builds as many, and a tuple
+    is built in a third of the time.
 
     ``value`` says how a non-tensor item's bytes are read back: ``None`` for
     ``torch.save`` bytes (loaded with ``weights_only=True``), :data:`BYTESIO` for the raw

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Callable, Mapping
 
 import torch
@@ -125,34 +126,69 @@ def check_extents_match_items(
 
     ``rows`` gives each extent's row in the record, for the messages.
     """
-    chunk_sizes = {fqn: {tuple(c.offsets): c.sizes for c in md.chunks}
-                   for fqn, md in items.items() if isinstance(md, TensorStorageMetadata)}
+    multi: dict[str, dict[tuple[int, ...], torch.Size]] = {}
+    values = 0
     for index, ext in storage.items():
-        where = f"extents[{rows[index]}]"
         md = items[index.fqn]
         if isinstance(md, BytesStorageMetadata):
-            if index.offset is not None:
-                raise fail(f"{where}.chunk", f"{index.fqn!r} is a value, not a tensor chunk")
-            if ext.codec != "identity":
-                raise fail(f"{where}.codec", f"value {index.fqn!r}: values are stored uncompressed")
-            if ext.value not in (None, BYTESIO):
-                raise fail(f"{where}.value", f"value {index.fqn!r}: unknown value kind {ext.value!r}")
+            values += 1
+            if index.offset is not None or ext.codec != "identity" or \
+                    ext.value not in (None, BYTESIO):
+                _value_extent_problem(index, ext, f"extents[{rows[index]}]", fail)
         else:
-            if ext.value is not None:
-                raise fail(f"{where}.value", f"tensor {index.fqn!r}: tensor extents have no value kind")
-            sizes = None if index.offset is None else chunk_sizes[index.fqn].get(
-                tuple(index.offset))
-            if sizes is None:
-                raise fail(f"{where}.chunk", f"tensor {index.fqn!r} has no chunk at "
-                                             f"{None if index.offset is None else list(index.offset)}")
-            nbytes = math.prod(sizes) * md.properties.dtype.itemsize
-            if ext.raw_length != nbytes:
-                raise fail(f"{where}.raw_length",
-                           f"tensor {index.fqn!r}: {ext.raw_length} bytes, but chunk {list(sizes)} of "
-                           f"{str(md.properties.dtype).removeprefix('torch.')} holds {nbytes}")
+            sizes = _chunk_sizes(md, index, multi)
+            if ext.value is not None or sizes is None or \
+                    ext.raw_length != math.prod(sizes) * md.properties.dtype.itemsize:
+                _tensor_extent_problem(md, index, ext, sizes, f"extents[{rows[index]}]", fail)
         if ext.codec == "identity" and ext.length != ext.raw_length:
-            raise fail(where, f"{index.fqn!r}: uncompressed extent with length {ext.length} != "
-                              f"raw_length {ext.raw_length}")
+            raise fail(f"extents[{rows[index]}]", f"{index.fqn!r}: uncompressed extent with "
+                                                  f"length {ext.length} != raw_length "
+                                                  f"{ext.raw_length}")
+    # Each extent is a distinct chunk or value of its item (keys are unique, and each was
+    # found above), so equal counts mean every chunk and value has one.
+    stored = sum(len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1
+                 for md in items.values())
+    if stored != len(storage):
+        _check_every_item_stored(items, storage, fail)
+
+
+def _chunk_sizes(md: TensorStorageMetadata, index: MetadataIndex,
+                 multi: dict[str, dict[tuple[int, ...], torch.Size]]) -> torch.Size | None:
+    """The sizes of the chunk of ``md`` at ``index.offset`` (None: no such chunk)."""
+    if index.offset is None:
+        return None
+    chunks = md.chunks
+    if len(chunks) == 1:
+        return chunks[0].sizes if chunks[0].offsets == index.offset else None
+    table = multi.get(index.fqn)
+    if table is None:
+        table = multi[index.fqn] = {tuple(c.offsets): c.sizes for c in chunks}
+    return table.get(tuple(index.offset))
+
+
+def _value_extent_problem(index: MetadataIndex, ext: Extent, where: str, fail: Fail) -> None:
+    if index.offset is not None:
+        raise fail(f"{where}.chunk", f"{index.fqn!r} is a value, not a tensor chunk")
+    if ext.codec != "identity":
+        raise fail(f"{where}.codec", f"value {index.fqn!r}: values are stored uncompressed")
+    raise fail(f"{where}.value", f"value {index.fqn!r}: unknown value kind {ext.value!r}")
+
+
+def _tensor_extent_problem(md: TensorStorageMetadata, index: MetadataIndex, ext: Extent,
+                           sizes: torch.Size | None, where: str, fail: Fail) -> None:
+    if ext.value is not None:
+        raise fail(f"{where}.value", f"tensor {index.fqn!r}: tensor extents have no value kind")
+    if sizes is None:
+        raise fail(f"{where}.chunk", f"tensor {index.fqn!r} has no chunk at "
+                                     f"{None if index.offset is None else list(index.offset)}")
+    nbytes = math.prod(sizes) * md.properties.dtype.itemsize
+    raise fail(f"{where}.raw_length",
+               f"tensor {index.fqn!r}: {ext.raw_length} bytes, but chunk {list(sizes)} of "
+               f"{str(md.properties.dtype).removeprefix('torch.')} holds {nbytes}")
+
+
+def _check_every_item_stored(items: Mapping[str, TensorStorageMetadata | BytesStorageMetadata],
+                             storage: Mapping[MetadataIndex, Extent], fail: Fail) -> None:
     for fqn, md in items.items():
         if isinstance(md, BytesStorageMetadata):
             if MetadataIndex(fqn) not in storage:
@@ -167,6 +203,22 @@ def check_extents_match_items(
 def check_no_aliasing(extents: Mapping[MetadataIndex, Extent], fail: Fail) -> None:
     """No two non-empty extents share a byte of a data file: a writer never stores two items
     in one place (``extents`` in record order)."""
+    by_file: dict[str, list[Extent]] = {}
+    for ext in extents.values():
+        if ext.length:
+            by_file.setdefault(ext.file, []).append(ext)
+    for spans in by_file.values():
+        starts = [e.offset for e in spans]
+        ends = [e.offset + e.length for e in spans]
+        if not all(map(operator.le, starts, starts[1:])):  # not in file order: sort them
+            order = sorted(range(len(starts)), key=starts.__getitem__)
+            starts, ends = [starts[i] for i in order], [ends[i] for i in order]
+        if any(map(operator.lt, starts[1:], ends)):
+            _first_alias(extents, fail)
+
+
+def _first_alias(extents: Mapping[MetadataIndex, Extent], fail: Fail) -> None:
+    """Raise naming the first two extents that share bytes, in (file, offset) order."""
     by_file: dict[str, list[tuple[int, int, int, str]]] = {}
     for row, (index, ext) in enumerate(extents.items()):
         if ext.length:

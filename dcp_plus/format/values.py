@@ -10,11 +10,18 @@ import torch
 
 from dcp_plus.errors import UnsafeValueError
 
+_NUMPY_DTYPES = frozenset({
+    torch.float64, torch.float32, torch.float16, torch.complex128, torch.complex64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
+"""Dtypes whose tensors ``.numpy()`` views directly (the others are viewed as uint8 first)."""
+
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat writable byte view of a contiguous CPU tensor's elements (no copy)."""
     if tensor.numel() == 0:
         return memoryview(bytearray())
+    if tensor.dtype in _NUMPY_DTYPES:  # one call instead of three tensor ops (~3 us)
+        return memoryview(cast(Any, tensor.numpy())).cast("B")
     flat = tensor.reshape(-1).view(torch.uint8)
     return memoryview(cast(Any, flat.numpy())).cast("B")
 

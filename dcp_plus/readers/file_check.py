@@ -7,7 +7,6 @@ any store), whatever the number of extents in it.
 
 from __future__ import annotations
 
-import dataclasses
 import mmap
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -146,7 +145,7 @@ def _edited_length(store: ObjectStore, name: str, index: MetadataIndex, ext: Ext
     true = stored_length(read_at)
     if true is None or true == ext.length or ext.offset + true > size:
         return None
-    fixed = dataclasses.replace(ext, length=true)
+    fixed = ext._replace(length=true)
     actual = _hash(store, name, ext.offset, true)
     return true if digest_matches(actual, fixed, extent_identity(index, dtype, fixed)) else None
 

@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import bind_checksum, checksum_bytes
 from dcp_plus.format.extent import identity_of
-from dcp_plus.format.record import Extent, decode_extent_table, dtype_name, encode_extent_table
+from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
+from dcp_plus.format.record import Extent, dtype_name
 from dcp_plus.format.strict_json import check_text
 from dcp_plus.writers.layout import FilePlan
 

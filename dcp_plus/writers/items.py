@@ -35,10 +35,11 @@ class ResolvedItem:
 
 def tensor_bytes(tensor: torch.Tensor) -> tuple[memoryview, torch.Tensor]:
     """A flat byte view of ``tensor``'s elements (copying only if not contiguous on CPU)."""
-    t = tensor.detach()
-    if t.device.type != "cpu":
+    t = tensor.detach() if tensor.requires_grad else tensor
+    if not t.is_cpu:
         t = t.cpu()
-    t = t.contiguous()
+    if not t.is_contiguous():
+        t = t.contiguous()
     return byte_view(t), t
 
 
