@@ -45,18 +45,23 @@ def _saved(root, job, steps=(1, 2, 3)) -> CheckpointManager:
     return m
 
 
+def _assert_restores(root, job, step: int, tier: str) -> None:
+    """A new manager on ``root`` restores ``step`` bit-exact from ``tier``, then closes."""
+    m = CheckpointManager(root, memory_tier=True, job_id=job)
+    st = _state(0)
+    assert m.load_latest(st) == step
+    assert m.last_restore is not None and m.last_restore.tiers == [tier]
+    assert _equal(st, _state(step))
+    m.close()
+
+
 def test_a_new_manager_restores_the_newest_snapshot_from_memory(tmp_path, job):
     m = _saved(tmp_path / "r", job)
     assert [c.step for c in m.list()] == [1, 3]  # the 1st and 3rd saves are durable
     records = [f for f in names.listing(job) if f.kind == "record"]
     assert [f.step for f in records] == [3]  # older snapshots are dropped
     m.close(keep_snapshots=True)
-    m2 = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
-    st = _state(0)
-    assert m2.load_latest(st) == 3
-    assert m2.last_restore is not None and m2.last_restore.tiers == ["memory"]
-    assert _equal(st, _state(3))
-    m2.close()
+    _assert_restores(tmp_path / "r", job, 3, "memory")
     assert names.listing(job) == []
 
 
@@ -89,12 +94,7 @@ def test_a_damaged_record_is_refused_and_the_durable_checkpoint_used(tmp_path, j
         f.write(data)
     with pytest.raises(CheckpointFormatError, match="record_checksum"):
         read(rec)
-    m = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
-    st = _state(0)
-    assert m.load_latest(st) == 3
-    assert m.last_restore is not None and m.last_restore.tiers == ["durable"]
-    assert _equal(st, _state(3))
-    m.close()
+    _assert_restores(tmp_path / "r", job, 3, "durable")
 
 
 def test_damaged_snapshot_bytes_are_detected_and_not_loaded(tmp_path, job):
