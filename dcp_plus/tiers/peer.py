@@ -25,7 +25,7 @@ from dcp_plus.errors import CheckpointFormatError, StorageError
 from dcp_plus.memory.slabs import SHM_DIR
 from dcp_plus.tiers import names
 from dcp_plus.tiers.flat import Flat
-from dcp_plus.tiers.memory import MappedFiles, read_records, restore_into
+from dcp_plus.tiers.memory import MappedFiles, memory_fill, read_records, restore_into
 from dcp_plus.tiers.record import TensorEntry, TierRecord, decode
 
 log = logging.getLogger(__name__)
@@ -230,8 +230,8 @@ class PeerTier:
         buf = torch.empty(data_len, dtype=torch.uint8)
         base = self._receive_into(self.partner, buf, segments)
         source = f"peer replica of rank {self.rank} step {rec.step} (held by rank {self.partner})"
-        values = restore_into(rec, flat, source, lambda e: buf[
-            e.offset + base.get(e.file, 0):e.offset + base.get(e.file, 0) + e.nbytes])
+        values = restore_into(rec, flat, source, lambda e: memory_fill(buf[
+            e.offset + base.get(e.file, 0):e.offset + base.get(e.file, 0) + e.nbytes]))
         return rec, values
 
     def remove_all(self) -> None:

@@ -2,8 +2,9 @@
 
 Usage: ``python -m tests.dist._tier_job SPEC_JSON RANK``. SPEC: ``world_size``, ``port``,
 ``root``, ``job_id``, ``mode`` (``train``: save steps 1..``until`` with every rank dying at
-``kill_phase`` of step ``until``, or after it when that is ``"after"``; ``resume``: restore and
-write ``out`` + ``.RANK.json`` with the step, tiers and whether the state is bit-exact).
+``kill_phase`` of step ``until``, or after it when that is ``"after"``; ``until`` 0: save until
+killed from outside, each state of ``big`` floats; ``resume``: restore and write ``out`` +
+``.RANK.json`` with the step, tiers and whether the state is bit-exact).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from typing import Any
 import torch
 
 
-def expected(rank: int, step: int) -> dict[str, Any]:
+def expected(rank: int, step: int, big: int = 64 * 1024) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     # per-rank keys: DCP treats equal keys of plain tensors as one replicated tensor
-    model = {"w": torch.randn(64, 1024, generator=g),
+    model = {"w": torch.randn(64, big // 64, generator=g),
              "h": torch.randn(300, generator=g).to(torch.bfloat16),
              "t": torch.randn(16, 8, generator=g).t(), "e": torch.empty(0)}
     return {"model": {f"{k}{rank}": v for k, v in model.items()},
@@ -47,6 +48,7 @@ def main(spec_path: str, rank_arg: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
                             world_size=spec["world_size"], timeout=timedelta(seconds=60))
     until, kill_phase = spec.get("until", 0), spec.get("kill_phase", "after")
+    big = spec.get("big", 64 * 1024)
 
     def hook(phase: str, step: int) -> None:
         if spec["mode"] == "train" and step == until and phase == kill_phase:
@@ -61,15 +63,18 @@ def main(spec_path: str, rank_arg: str) -> None:
         if start > 1:  # a restarted life: resume first
             state = expected(rank, 0)
             assert m.load_latest(state) == start - 1
-        for step in range(start, until + 1):
-            m.save(step, expected(rank, step)).result(timeout=120)
+        step = start
+        while until == 0 or step <= until:
+            m.save(step, expected(rank, step, big)).result(timeout=120)
+            step += 1
         os.kill(os.getpid(), signal.SIGKILL)
-    state = expected(rank, 0)
+    state = expected(rank, 0, big)
     step = m.load_latest(state)
     r = m.last_restore
+    want = None if step is None else expected(rank, step, big)
     out = {"step": step, "tiers": None if r is None else r.tiers,
-           "exact": step is not None and same(state, expected(rank, step), rank),
-           "diff": [] if step is None else [k for k, v in expected(rank, step)["model"].items()
+           "exact": want is not None and same(state, want, rank),
+           "diff": [] if want is None else [k for k, v in want["model"].items()
                                             if not torch.equal(state["model"][k], v)]}
     Path(f"{spec['out']}.{rank}.json").write_text(json.dumps(out))
     m.close(keep_snapshots=spec.get("keep", False))

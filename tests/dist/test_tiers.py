@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -26,14 +29,17 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run(tmp_path: Path, spec: dict[str, Any]) -> list[int]:
+def _start(tmp_path: Path, spec: dict[str, Any]) -> list[subprocess.Popen[bytes]]:
     spec = {**spec, "port": _port()}
     path = tmp_path / f"spec-{uuid.uuid4().hex[:6]}.json"
     path.write_text(json.dumps(spec))
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.dist._tier_job", str(path), str(r)],
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for r in range(spec["world_size"])]
-    return [p.wait(timeout=240) for p in procs]
+    return [subprocess.Popen([sys.executable, "-m", "tests.dist._tier_job", str(path), str(r)],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL) for r in range(spec["world_size"])]
+
+
+def _run(tmp_path: Path, spec: dict[str, Any]) -> list[int]:
+    return [p.wait(timeout=240) for p in _start(tmp_path, spec)]
 
 
 def _results(tmp_path: Path, world: int) -> list[dict[str, Any]]:
@@ -118,3 +124,52 @@ def test_restarts_leave_no_shared_memory_beyond_the_current_snapshots(tmp_path, 
     assert _run(tmp_path, {**base, "mode": "resume"}) == [0, 0]
     assert [r["step"] for r in _results(tmp_path, 2)] == [step, step]
     assert names.listing(job) == []
+
+
+def _newest_restorable(job: str, world: int, committed: list[int]) -> int | None:
+    """What a restart must restore, from the files a killed 2-node job left: the newest step
+    each rank has in its own memory, in its partner's replica or durably."""
+    own: dict[int, set[int]] = {r: set() for r in range(world)}
+    replica: dict[int, set[int]] = {r: set() for r in range(world)}
+    for f in names.listing(job):
+        if f.kind == "record" and f.step is not None:
+            (own if f.holder == f.owner else replica)[f.owner].add(f.step)
+    steps = set(committed).union(*own.values(), *replica.values())
+    for s in sorted(steps, reverse=True):
+        if all(s in own[r] or s in replica[r] or s in committed for r in range(world)):
+            return s
+    return None
+
+
+@pytest.mark.parametrize("trials", [pytest.param(3, id="short"),
+                                    pytest.param(30, id="soak", marks=pytest.mark.slow)])
+def test_kills_at_random_times_resume_from_the_newest_complete_snapshot(tmp_path, job, trials):
+    """SIGKILL lands wherever the job is: staging, the record, the peer send, a persist."""
+    from dcp_plus.manager.root import CheckpointRoot
+    from dcp_plus.manager.storage import LocalBackend
+
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for trial in range(trials):
+        root = tmp_path / f"root{trial}"
+        base = {"world_size": 2, "ranks_per_node": 1, "root": str(root), "job_id": job,
+                "out": str(tmp_path / f"out{trial}"), "big": 1 << 20}  # 4 MiB a rank
+        procs = _start(tmp_path, {**base, "mode": "train", "until": 0})
+        deadline = time.monotonic() + 120
+        while len({f.holder for f in names.listing(job) if f.kind == "record"}) < 2:
+            assert time.monotonic() < deadline, "no snapshot within 120 s"
+            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.0, 2.0))  # where the kill lands: the point of the test
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+        assert [p.wait(timeout=60) for p in procs] == [-9, -9]
+        committed = CheckpointRoot(LocalBackend(), str(root)).committed()
+        want = _newest_restorable(job, 2, committed)
+        assert want is not None, f"seed {seed} trial {trial}: nothing to restore"
+        assert _run(tmp_path, {**base, "out": str(tmp_path / f"out{trial}"),
+                               "mode": "resume"}) == [0, 0]
+        res = [json.loads((tmp_path / f"out{trial}.{r}.json").read_text()) for r in range(2)]
+        assert [r["step"] for r in res] == [want, want], (seed, trial, res, committed)
+        assert all(r["exact"] for r in res), (seed, trial, res)
+        assert names.listing(job) == [], (seed, trial)
