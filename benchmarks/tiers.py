@@ -1,100 +1,178 @@
-"""Restore time per tier, in a restarted process, next to the memory limit.
+"""Restore time per tier in restarted processes, next to each tier's physical limit.
 
-``python -m benchmarks.tiers --gib 1``: one process saves a state of ``--gib`` GiB (64 MiB
-tensors) with ``memory_tier=True`` (the first save durable, the second in memory only), is
-ended without cleanup as a crash would, and a new process restores: from memory, then (its
-snapshot removed) from durable storage. The memory limit is a copy of the same bytes into
-pre-faulted tensors on one thread. Prints one JSON line.
+``python -m benchmarks.tiers --gib 2 --ranks 2``: a gloo job of ``--ranks`` processes saves a
+state of ``--gib`` GiB a rank (64 MiB tensors) once with ``memory_tier=True`` and, with two
+ranks or more, ``peer_tier=True`` (the save is durable too), and ends without cleanup, as a
+crash would. New processes then restore it three times: from their own memory; with the own
+snapshots removed, from the partners' replicas; with every snapshot removed and the page cache
+dropped, from durable storage (cold). The limits, in the same kind of processes, one thread
+each: a copy of the same bytes into pre-faulted tensors (memory), and a gloo exchange of the
+same bytes between partners, both ways at once as the peer restore does (peer). Prints one
+JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from datetime import timedelta
+from typing import Any
 
 import torch
 
 PIECE = 16 << 20  # float32 elements: 64 MiB
+PHASES = ("save", "memory", "peer", "durable", "limits")
 
 
-def state(gib: float, fill: float) -> dict[str, torch.Tensor]:
+def state(gib: float, rank: int, fill: float) -> dict[str, torch.Tensor]:
+    """Per-rank keys: DCP treats equal keys of plain tensors as one replicated tensor."""
     n = max(1, int(gib * (1 << 30)) // (PIECE * 4))
-    return {f"t{i}": torch.full((PIECE,), fill + i) for i in range(n)}
+    return {f"r{rank}.t{i}": torch.full((PIECE,), fill + i) for i in range(n)}
 
 
-def child(root: str, job: str, gib: float, mode: str) -> None:
+def _manager(spec: dict[str, Any], **extra: Any) -> Any:
     from dcp_plus.manager import CheckpointManager
-    from dcp_plus.tiers import names
 
-    if mode == "save":
-        m = CheckpointManager(root, memory_tier=True, durable_every=2, job_id=job)
-        for step in (1, 2):
-            m.save(step, state(gib, float(step))).result()
-        m.close(keep_snapshots=True)
-        return
-    dest = state(gib, 0.0)  # allocated and faulted before the clock starts
+    return CheckpointManager(spec["root"], memory_tier=True, peer_tier=spec["ranks"] > 1,
+                             ranks_per_node=1, durable_every=1, job_id=spec["job"], **extra)
+
+
+def _restore(spec: dict[str, Any], rank: int, phase: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dest = state(spec["gib"], rank, 0.0)  # allocated and faulted before the clock starts
+    dist.barrier()
     t0 = time.perf_counter()
-    m = CheckpointManager(root, memory_tier=True, durable_every=2, job_id=job, takeover=True)
+    m = _manager(spec, takeover=True)
     built = time.perf_counter() - t0
     step = m.load_latest(dest)
     took = time.perf_counter() - t0
-    assert m.last_restore is not None
-    ok = all(torch.equal(v, torch.full((PIECE,), float(step) + i))
-             for i, v in enumerate(dest.values()))
-    if mode == "memory":
-        m.close(keep_snapshots=True)
-    else:
-        m.close()
-    for f in names.listing(job) if mode == "durable" else []:
-        names.unlink(f.name)
-    print(json.dumps({"step": step, "tiers": m.last_restore.tiers, "construct_s": built,
-                      "restore_s": took, "exact": ok}))
+    assert m.last_restore is not None and step == 1
+    want = state(spec["gib"], rank, 1.0)
+    exact = all(torch.equal(dest[k], want[k]) for k in want)
+    m.close(keep_snapshots=phase != "durable")
+    return {"tiers": m.last_restore.tiers, "construct_s": built, "restore_s": took,
+            "exact": exact}
 
 
-def memcpy_s(gib: float) -> float:
-    src, dst = state(gib, 1.0), state(gib, 0.0)
-    best = float("inf")
+def _limits(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    src, dst = state(spec["gib"], rank, 1.0), state(spec["gib"], rank, 0.0)
+    memcpy = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
         for k in src:
             dst[k].copy_(src[k])
-        best = min(best, time.perf_counter() - t0)
-    return best
+        memcpy = min(memcpy, time.perf_counter() - t0)
+    out: dict[str, Any] = {"memcpy_s": memcpy}
+    world = spec["ranks"]
+    if world > 1:
+        to, frm = (rank + 1) % world, (rank - 1) % world  # the default partners, 1 a node
+        gloo = float("inf")
+        for _ in range(2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            work = [dist.isend(t, to) for t in src.values()]
+            work += [dist.irecv(t, frm) for t in dst.values()]
+            for w in work:
+                w.wait()
+            gloo = min(gloo, time.perf_counter() - t0)
+        out["gloo_exchange_s"] = gloo
+    return out
+
+
+def child(spec: dict[str, Any], rank: int, phase: str) -> None:
+    import torch.distributed as dist
+
+    import dcp_plus.manager  # noqa: F401  (imported before any clock starts, as a trainer has)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank,
+                            world_size=spec["ranks"], timeout=timedelta(seconds=600))
+    if phase == "save":
+        m = _manager(spec)
+        m.save(1, state(spec["gib"], rank, 1.0)).result()
+        m.close(keep_snapshots=True)
+        out: dict[str, Any] = {}
+    elif phase == "limits":
+        out = _limits(spec, rank)
+    else:
+        out = _restore(spec, rank, phase)
+    dist.destroy_process_group()
+    print(json.dumps(out))
+
+
+def _port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_phase(spec: dict[str, Any], phase: str) -> list[dict[str, Any]]:
+    spec = {**spec, "port": _port()}
+    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.tiers", "--child",
+                               json.dumps(spec), str(r), phase],
+                              stdout=subprocess.PIPE, text=True) for r in range(spec["ranks"])]
+    outs = [p.communicate()[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"phase {phase}: exit codes {[p.returncode for p in procs]}")
+    return [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def _worst(rows: list[dict[str, Any]], key: str) -> float:
+    return max(r[key] for r in rows)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--gib", type=float, default=1.0)
-    p.add_argument("--child", nargs=4)
+    p.add_argument("--gib", type=float, default=1.0, help="state per rank")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--child", nargs=3, metavar=("SPEC", "RANK", "PHASE"))
     a = p.parse_args()
     if a.child:
-        child(a.child[0], a.child[1], float(a.child[2]), a.child[3])
+        child(json.loads(a.child[0]), int(a.child[1]), a.child[2])
         return
-    torch.set_num_threads(1)
-    root, job = tempfile.mkdtemp(prefix="dcpp-bench-tiers-"), f"b{uuid.uuid4().hex[:10]}"
-
-    def run(mode: str) -> dict:
-        out = subprocess.run([sys.executable, "-m", "benchmarks.tiers", "--child", root, job,
-                              str(a.gib), mode], check=True, capture_output=True, text=True)
-        return json.loads(out.stdout.strip().splitlines()[-1]) if mode != "save" else {}
-
-    run("save")
-    memory = run("memory")
+    from dcp_plus.cli.bench.machine import drop_caches
     from dcp_plus.tiers import names
 
-    for f in names.listing(job):
-        names.unlink(f.name)
-    durable = run("durable")
-    limit = memcpy_s(a.gib)
-    print(json.dumps({"gib": a.gib, "memcpy_1_thread_s": limit, "memory": memory,
-                      "durable_warm": durable,
-                      "memory_vs_memcpy": memory["restore_s"] / limit,
-                      "memory_vs_durable": memory["restore_s"] / durable["restore_s"]}))
+    spec = {"root": tempfile.mkdtemp(prefix="dcpp-bench-tiers-"), "gib": a.gib,
+            "ranks": a.ranks, "job": f"b{uuid.uuid4().hex[:10]}"}
+    try:
+        run_phase(spec, "save")
+        res: dict[str, Any] = {"gib_per_rank": a.gib, "ranks": a.ranks,
+                               "memory": run_phase(spec, "memory")}
+        if a.ranks > 1:
+            for f in names.listing(spec["job"]):  # every node lost its own memory
+                if f.holder == f.owner:
+                    names.unlink(f.name)
+            res["peer"] = run_phase(spec, "peer")
+        for f in names.listing(spec["job"]):
+            names.unlink(f.name)
+        res["drop"] = drop_caches([spec["root"]])
+        res["durable_cold"] = run_phase(spec, "durable")
+        limits = run_phase(spec, "limits")
+        res["limits"] = limits
+        mem = _worst(res["memory"], "restore_s")
+        res["memory_vs_memcpy"] = mem / _worst(limits, "memcpy_s")
+        res["memory_vs_durable_cold"] = mem / _worst(res["durable_cold"], "restore_s")
+        if a.ranks > 1:
+            res["peer_vs_gloo"] = _worst(res["peer"], "restore_s") / \
+                _worst(limits, "gloo_exchange_s")
+        print(json.dumps(res))
+    finally:
+        for f in names.listing(spec["job"]):
+            names.unlink(f.name)
+        subprocess.run(["rm", "-rf", spec["root"]], check=False)
+        os.sync()
 
 
 if __name__ == "__main__":

@@ -25,12 +25,12 @@ from dcp_plus.errors import CheckpointFormatError, StorageError
 from dcp_plus.memory.slabs import SHM_DIR
 from dcp_plus.tiers import names
 from dcp_plus.tiers.flat import Flat
-from dcp_plus.tiers.memory import MappedFiles, memory_fill, read_records, restore_into
+from dcp_plus.tiers.memory import MappedFiles, read_records
+from dcp_plus.tiers.peer_restore import Segment, messages_of, receive_verified
 from dcp_plus.tiers.record import TensorEntry, TierRecord, decode
 
 log = logging.getLogger(__name__)
 Partner = Callable[[int], int]
-Segment = tuple[str, int, int]  # file, start, length
 
 
 def default_partner(world_size: int, ranks_per_node: int) -> Partner:
@@ -114,7 +114,8 @@ class PeerTier:
             StorageError: the partner could not keep this rank's replica (after the
                 exchange completed on both sides).
         """
-        sends = self._send(record, self.partner, step)
+        sends = self._send(record, self.partner, step,
+                           segments_of(record.entries) if record is not None else [])
         replica = None
         try:
             replica = self._receive_replica()
@@ -131,11 +132,13 @@ class PeerTier:
                                f"rank {self.rank}'s step {step} (see its log)")
         return replica
 
-    def _send(self, record: TierRecord | None, dst: int, step: int) -> list[_Sends]:
+    def _send(self, record: TierRecord | None, dst: int, step: int,
+              segments: list[Segment]) -> list[_Sends]:
+        """Send the header, the metadata, then ``segments`` of ``record``'s files, each a
+        message (a replica's files for a copy, a tensor or run of them for a restore)."""
         if record is None:  # nothing to send, but the receiver waits for a header
             header = torch.tensor([step, 0, 0], dtype=torch.int64)
             return [_Sends([dist.isend(header, group_dst=dst, group=self.group)], header)]
-        segments = segments_of(record.entries)
         meta = json.dumps({"record": record.encode().decode("utf-8"),
                            "segments": segments}).encode("utf-8")
         files = MappedFiles()
@@ -219,20 +222,17 @@ class PeerTier:
 
     def serve(self, record: TierRecord, to: int) -> list[_Sends]:
         """Start sending the replica ``record`` back to its owner ``to``."""
-        return self._send(record, to, record.step)
+        segments = [m.segment for m in messages_of(record.entries)]
+        return self._send(record, to, record.step, segments)
 
     def fetch(self, flat: Flat) -> tuple[TierRecord, dict[str, Any]]:
         """Receive this rank's replica from its partner into ``flat`` (verified); returns
         the replica's record and its non-tensor values."""
-        data_len, rec, segments = self._receive_meta(self.partner)
+        _, rec, segments = self._receive_meta(self.partner)
         if rec is None:
             raise CheckpointFormatError(f"peer tier: rank {self.partner} sent no replica")
-        buf = torch.empty(data_len, dtype=torch.uint8)
-        base = self._receive_into(self.partner, buf, segments)
         source = f"peer replica of rank {self.rank} step {rec.step} (held by rank {self.partner})"
-        values = restore_into(rec, flat, source, lambda e: memory_fill(buf[
-            e.offset + base.get(e.file, 0):e.offset + base.get(e.file, 0) + e.nbytes]))
-        return rec, values
+        return rec, receive_verified(rec, segments, flat, self.partner, self.group, source)
 
     def remove_all(self) -> None:
         """Remove every replica held here."""

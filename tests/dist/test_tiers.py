@@ -74,6 +74,27 @@ def test_a_lost_node_restores_from_its_partners_and_the_other_from_its_own_memor
     assert names.listing(job) == []  # close() removed the job's snapshots
 
 
+def test_a_damaged_replica_is_detected_and_the_job_falls_back_to_durable(tmp_path, job):
+    base = {"world_size": 4, "ranks_per_node": 2, "root": str(tmp_path / "root"),
+            "job_id": job, "out": str(tmp_path / "out")}
+    assert _run(tmp_path, {**base, "mode": "train", "until": 5}) == [-9] * 4
+    for f in names.listing(job):
+        if f.holder in (2, 3):  # node 1 lost its memory ...
+            names.unlink(f.name)
+    (replica,) = [f for f in names.listing(job) if f.kind == "replica" and f.owner == 2]
+    with open(replica.path, "r+b") as fh:  # ... and rank 2's replica on node 0 is damaged
+        fh.seek(1000)
+        byte = fh.read(1)
+        fh.seek(1000)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    assert _run(tmp_path, {**base, "mode": "resume"}) == [0] * 4
+    res = _results(tmp_path, 4)
+    # rank 2 cannot restore step 5 from anywhere: everyone agrees on the durable step 4
+    assert [r["step"] for r in res] == [4] * 4
+    assert res[0]["tiers"] == ["durable"] * 4
+    assert all(r["exact"] for r in res)
+
+
 @pytest.mark.parametrize("phase", ["memory", "persist", "commit"])
 def test_a_kill_during_a_save_resumes_from_the_newest_complete_snapshot(tmp_path, job, phase):
     base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
