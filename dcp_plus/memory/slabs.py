@@ -136,8 +136,10 @@ class SlabRegistry:
         """The slab range holding a contiguous CPU tensor's bytes, or None."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
-        ptr = tensor.data_ptr()
-        nbytes = tensor.numel() * tensor.element_size()
+        return self.locate(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def locate(self, ptr: int, nbytes: int) -> SlabRef | None:
+        """The slab range holding the ``nbytes`` bytes at address ``ptr``, or None."""
         with self._lock:
             i = bisect.bisect_right(self._starts, ptr) - 1
             if i < 0:

@@ -27,10 +27,11 @@ from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.memory.slabs import SHM_DIR, registry
 from dcp_plus.tiers import names
 from dcp_plus.tiers.flat import Flat, flatten, plain
-from dcp_plus.tiers.record import DTYPES, TensorEntry, TierRecord, read
+from dcp_plus.tiers.record import DTYPE_NAMES, DTYPES, TensorEntry, TierRecord, read
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 20  # copy and hash in pieces that stay in (L2) cache between the two
+EMPTY_DIGEST = xxhash.xxh3_64_hexdigest(b"")
 
 
 def span_bytes(t: torch.Tensor) -> int:
@@ -251,21 +252,28 @@ class MemoryTier:
         then drop older snapshots. Returns its record."""
         flat = flatten(staged)
         entries = []
+        linked: set[str] = set()
         for fqn, t in flat.tensors.items():
-            span = span_view(t) if t.numel() else torch.empty(0, dtype=torch.uint8)
-            file, offset = "", 0
-            if span.numel():
-                ref = registry.lookup(span)
+            dense = t.is_contiguous()  # the common case: skip the span arithmetic
+            nbytes = t.numel() * t.element_size() if dense else span_bytes(t)
+            file, offset, digest = "", 0, EMPTY_DIGEST
+            if nbytes:
+                ref = registry.locate(t.data_ptr(), nbytes) if t.device.type == "cpu" else None
                 if ref is None:
                     raise UnsafeValueError(
                         f"memory tier: tensor {fqn!r} of step {step} is not in a "
                         "stager slab; the memory tier needs the manager's ArenaStager")
-                file = names.link_name(self.job, self.rank, ref.slab)
-                offset = ref.offset
-                self._link(ref.slab, file)
-            entries.append(TensorEntry(
-                fqn, str(t.dtype).removeprefix("torch."), list(t.shape), list(t.stride()),
-                file, offset, span.numel(), xxhash.xxh3_64_hexdigest(byte_view(span))))
+                file, offset = names.link_name(self.job, self.rank, ref.slab), ref.offset
+                if ref.slab not in linked:
+                    self._link(ref.slab, file)
+                    linked.add(ref.slab)
+                digest = xxhash.xxh3_64_hexdigest(byte_view(t if dense else span_view(t)))
+            dtype = DTYPE_NAMES.get(t.dtype)
+            if dtype is None:
+                raise UnsafeValueError(f"memory tier: tensor {fqn!r} has dtype {t.dtype}, "
+                                       "which a snapshot cannot hold")
+            entries.append(TensorEntry(fqn, dtype, list(t.shape),
+                                       list(t.stride()), file, offset, nbytes, digest))
         data = encode_values(flat.values)
         record = TierRecord(self.job, step, self.world_size, self.rank, self.rank,
                             flat.fingerprint, entries, base64.b64encode(data).decode("ascii"),
