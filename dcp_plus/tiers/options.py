@@ -46,8 +46,13 @@ class TierOptions:
         return int(env)
 
 
+def tier_copies(peer: bool) -> int:
+    """Copies of a rank's state its shared memory holds at the peak: its newest complete
+    snapshot and the one being taken (the stager's two buffers, shared with the tier), and
+    as many again for the partner's replicas with the peer tier."""
+    return 4 if peer else 2
+
+
 def tier_memory_bytes(state_bytes: int, peer: bool) -> int:
-    """Shared memory one rank needs at its peak: its newest complete snapshot and the one
-    being taken (the stager's two buffers, shared with the tier), and as much again for the
-    partner's replicas with the peer tier."""
-    return (4 if peer else 2) * state_bytes
+    """Shared memory one rank needs at its peak (:func:`tier_copies` x its state)."""
+    return tier_copies(peer) * state_bytes

@@ -18,7 +18,7 @@ from dcp_plus.memory.slabs import SHM_DIR
 from dcp_plus.tiers import names
 from dcp_plus.tiers.flat import flatten, plain
 from dcp_plus.tiers.memory import MemoryTier, restore_own
-from dcp_plus.tiers.options import TierOptions, tier_memory_bytes
+from dcp_plus.tiers.options import TierOptions, tier_copies, tier_memory_bytes
 from dcp_plus.tiers.peer import PeerTier, default_partner
 from dcp_plus.tiers.recovery import DURABLE, MEMORY, PEER, Attempt, Offer, Restore, put_values
 from dcp_plus.tiers.recovery import restore as agree_and_restore
@@ -81,7 +81,7 @@ class Tiers:
             raise CapacityError(
                 f"memory tier of job {self.job}, rank {self.rank}: snapshots of "
                 f"{state_bytes} bytes need {need} bytes of shared memory at the peak "
-                f"({'4' if self.peer else '2'} x the state), but {SHM_DIR} and MemAvailable "
+                f"({tier_copies(self.peer is not None)} x the state), but {SHM_DIR} and MemAvailable "
                 f"leave {have}; enlarge {SHM_DIR}, free memory, or turn the tier off")
 
     def capture(self, step: int, staged: Mapping[str, Any], release: Future[None]) -> None:

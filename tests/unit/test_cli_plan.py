@@ -23,7 +23,7 @@ def test_plan_prints_the_llama3_figures(capsys):
 
     assert "state: 4.05 TB (405B params x 10 B); 31.6 GB per rank" in out
     assert "persist (at 5 GB/s aggregate): 13.5 min" in out
-    assert "peer replica: 506.2 GB" in out
+    assert "peer replica: 1.01 TB" in out
     for mode in ("sync", "async", "tiered"):
         assert f"\n{mode} " in out
 
@@ -35,7 +35,7 @@ def test_plan_json_has_every_figure_in_the_unit_its_key_names(capsys):
     assert data["inputs"]["params"] == 405e9 and data["inputs"]["mtbf_s"] == 3 * 3600
     assert data["inputs"]["shard_degree"] == 128 and data["inputs"]["overhead_budget"] == 0.05
     assert data["persist_s"] == pytest.approx(810.0)
-    assert data["host_memory_per_node_bytes"] == pytest.approx(506.25e9)
+    assert data["host_memory_per_node_bytes"] == pytest.approx(1012.5e9)
     assert data["checkfreq_interval_steps"] == 162
     assert data["modes"]["tiered"]["goodput"] > data["modes"]["sync"]["goodput"]
 

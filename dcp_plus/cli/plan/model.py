@@ -18,6 +18,7 @@ from typing import Any
 from dcp_plus.cli.plan.failures import best_interval_steps, expected_goodput, rollback_s
 from dcp_plus.cli.plan.inputs import GB, CapacityInputError, CapacityInputs, bound, nodes, times
 from dcp_plus.cli.plan.units import human_duration as _hd
+from dcp_plus.tiers.options import tier_copies
 
 __all__ = ["CapacityInputError", "CapacityInputs", "CapacityPlan", "ModePlan",
            "checkfreq_exposed_s", "checkfreq_interval_steps", "plan_capacity",
@@ -99,7 +100,8 @@ class CapacityPlan:
     """First order: sqrt(2 * C * MTBF), C = the blocking time of a synchronous checkpoint."""
     daly_interval_steps: int
     host_memory_per_node_bytes: float
-    """In-memory tier with a peer replica: 2 x per-rank state x GPUs per node."""
+    """Memory and peer tiers: :func:`~dcp_plus.tiers.options.tier_copies` (4) x the per-rank
+    state x GPUs per node, the figure ``CheckpointManager`` checks at construction."""
     modes: dict[str, ModePlan] = field(default_factory=dict)
     """``sync``, ``async`` and ``tiered`` at their best intervals (see :func:`plan_capacity`)."""
     at_interval: dict[str, ModePlan] | None = None
@@ -255,7 +257,8 @@ def plan_capacity(inputs: CapacityInputs) -> CapacityPlan:
         checkfreq_rollback_max_s=2 * k * ti, checkfreq_rollback_avg_s=k * ti,
         expected_rollback_s=expected, worst_rollback_s=worst,
         daly_interval_s=daly_s, daly_interval_steps=max(1, round(daly_s / ti)),
-        host_memory_per_node_bytes=2 * per_rank * min(x.gpus_per_node, x.ranks),
+        host_memory_per_node_bytes=tier_copies(peer=True) * per_rank
+        * min(x.gpus_per_node, x.ranks),
         modes=modes, at_interval=at,
         warnings=_warnings(x, daly_s=daly_s, sync=modes["sync"], tables=tables),
     )
