@@ -132,6 +132,11 @@ class SlabRegistry:
                     del self._starts[i], self._slabs[i]
                     return
 
+    def by_name(self, name: str) -> Slab | None:
+        """The registered slab called ``name`` (mapped in this process), or None."""
+        with self._lock:
+            return next((s for s in self._slabs if s.name == name), None)
+
     def lookup(self, tensor: torch.Tensor) -> SlabRef | None:
         """The slab range holding a contiguous CPU tensor's bytes, or None."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():

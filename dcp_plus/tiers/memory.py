@@ -69,18 +69,16 @@ def decode_values(data: bytes) -> dict[str, Any]:
     return out
 
 
-def _map_populated(name: str) -> torch.Tensor:
-    """Map a tier file with its page tables filled at once (``MAP_POPULATE``): a send reads
-    every page, and one minor fault per page would cost more."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
+
+
+def _map(name: str) -> tuple[mmap.mmap, int]:
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        m = mmap.mmap(fd, max(size, 1), flags=flags)
+        return mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), size
     finally:
         os.close(fd)
-    return torch.frombuffer(m, dtype=torch.uint8, count=size) if size else \
-        torch.empty(0, dtype=torch.uint8)
 
 
 def _missing(entry: TensorEntry, source: str) -> CorruptCheckpointError:
@@ -94,23 +92,47 @@ def _past_end(entry: TensorEntry, source: str) -> CorruptCheckpointError:
 
 
 class MappedFiles:
-    """Memory-tier data files mapped by name, once each (the peer tier's send side)."""
+    """Memory-tier data files by name, as tensors to send (the peer tier's send side).
+
+    An own snapshot's slab that this process's stager holds is used as it is mapped there;
+    any other file is mapped once, and each range's page tables are filled just before it is
+    handed out (``MADV_POPULATE_READ``), so filling the next range overlaps sending this one
+    instead of a whole-file ``MAP_POPULATE`` up front."""
 
     def __init__(self) -> None:
-        self._open: dict[str, torch.Tensor] = {}
+        self._open: dict[str, tuple[mmap.mmap | None, torch.Tensor]] = {}
+
+    def _base(self, entry: TensorEntry, source: str) -> tuple[mmap.mmap | None, torch.Tensor]:
+        base = self._open.get(entry.file)
+        if base is not None:
+            return base
+        slab = registry.by_name(names.slab_of(entry.file) or "")
+        try:
+            base = None if slab is None else (None, slab.tensor())
+        except ValueError:  # closed meanwhile: the link still holds the bytes
+            base = None
+        if base is None:
+            try:
+                m, size = _map(entry.file)
+            except FileNotFoundError:
+                raise _missing(entry, source) from None
+            base = (m, torch.frombuffer(m, dtype=torch.uint8, count=size) if size else
+                    torch.empty(0, dtype=torch.uint8))
+        self._open[entry.file] = base
+        return base
 
     def bytes_of(self, entry: TensorEntry, source: str) -> torch.Tensor:
         if entry.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        base = self._open.get(entry.file)
-        if base is None:
-            try:
-                base = _map_populated(entry.file)
-            except FileNotFoundError:
-                raise _missing(entry, source) from None
-            self._open[entry.file] = base
+        m, base = self._base(entry, source)
         if entry.offset + entry.nbytes > base.numel():
             raise _past_end(entry, source)
+        if m is not None:
+            lo = entry.offset - entry.offset % mmap.PAGESIZE
+            try:
+                m.madvise(MADV_POPULATE_READ, lo, entry.offset + entry.nbytes - lo)
+            except OSError:  # an older kernel: the pages fault in as they are sent
+                pass
         return base[entry.offset:entry.offset + entry.nbytes]
 
 

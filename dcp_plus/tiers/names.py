@@ -83,6 +83,12 @@ def link_name(job: str, holder: int, slab: str) -> str:
     return f"{stem(job, holder, holder)}d-{slab}"
 
 
+def slab_of(link: str) -> str | None:
+    """The stager slab an own snapshot's link ``link`` names, or None for other names."""
+    m = _NAME.fullmatch(link)
+    return None if m is None else m["slab"]
+
+
 def listing(job: str | None = None, holder: int | None = None) -> list[TierFile]:
     """Memory-tier files in ``/dev/shm`` (of ``job`` and ``holder`` when given)."""
     try:
