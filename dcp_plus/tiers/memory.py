@@ -73,10 +73,11 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 def _map(name: str) -> tuple[mmap.mmap, int]:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+    # writable only because torch.frombuffer warns on read-only buffers; nothing writes
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
-        return mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ), size
+        return mmap.mmap(fd, max(size, 1), flags=mmap.MAP_SHARED), size
     finally:
         os.close(fd)
 
