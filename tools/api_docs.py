@@ -16,7 +16,7 @@ from pathlib import Path
 
 FATAL = ("does not resolve", "Error importing")
 
-PACKAGES = ["dcp_plus", "dcp_plus.format", "dcp_plus.writers"]
+PACKAGES = ["dcp_plus", "dcp_plus.format", "dcp_plus.tiers", "dcp_plus.writers"]
 """The packages whose ``__all__`` is lazy (``dcp_plus._lazy``)."""
 
 

@@ -3,19 +3,11 @@ recovery from the fastest tier that has the newest step every rank can restore."
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from dcp_plus._lazy import lazy_exports
 
-from dcp_plus.tiers.options import TierOptions, tier_copies, tier_memory_bytes
-
-_LAZY = {"Restore": "dcp_plus.tiers.recovery", "Tiers": "dcp_plus.tiers.tiers"}
-
-
-def __getattr__(name: str) -> Any:
-    # lazily, so that `dcp-plus plan` reads the memory formula without importing torch
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
+# lazy, so that `dcp-plus plan` reads the memory formula (options) without importing torch
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "Restore": ".recovery", "TierOptions": ".options", "Tiers": ".tiers",
+    "tier_copies": ".options", "tier_memory_bytes": ".options"})
 
 __all__ = ["Restore", "TierOptions", "Tiers", "tier_copies", "tier_memory_bytes"]

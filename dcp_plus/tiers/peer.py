@@ -25,9 +25,10 @@ from dcp_plus.errors import CheckpointFormatError, StorageError
 from dcp_plus.memory.slabs import SHM_DIR
 from dcp_plus.tiers import names
 from dcp_plus.tiers.flat import Flat
-from dcp_plus.tiers.memory import MappedFiles, read_records
+from dcp_plus.tiers.memory import read_records
 from dcp_plus.tiers.peer_restore import Segment, messages_of, receive_verified
 from dcp_plus.tiers.record import TensorEntry, TierRecord, decode
+from dcp_plus.tiers.shm_files import MappedFiles
 
 log = logging.getLogger(__name__)
 Partner = Callable[[int], int]

@@ -14,16 +14,16 @@ import xxhash
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.values import byte_view
 from dcp_plus.tiers.flat import Flat
-from dcp_plus.tiers.memory import (
+from dcp_plus.tiers.record import TensorEntry, TierRecord
+from dcp_plus.tiers.shm_files import memory_fill
+from dcp_plus.tiers.values import decode_values
+from dcp_plus.tiers.verify import (
     check_digest,
     check_layout,
     copy_verified,
-    decode_values,
     destinations,
     lands_in_place,
-    memory_fill,
 )
-from dcp_plus.tiers.record import TensorEntry, TierRecord
 
 ALONE = 1 << 20  # a tensor this large is a message of its own; smaller ones share runs
 Segment = tuple[str, int, int]  # file, start, length
