@@ -1,0 +1,77 @@
+"""The coordinator's memory during one save: tracemalloc peak and gc-tracked object counts.
+
+Two saves are run (every rank runs both, so the collectives match); on the measured rank:
+
+1. under ``tracemalloc``: the peak of traced memory above its level at the save's start;
+2. with ``gc.get_objects()`` counts (cyclic GC off during the save, so nothing is collected
+   between the counts) above the count before the save: at ``finish`` entry (the coordinator
+   then holds the global plan, the metadata and every rank's write results), when the commit
+   record is put (the writer's extent table and the record's bytes alive too: dcp_plus
+   writers only) and after the save once garbage is collected (what the save left behind,
+   e.g. a new cache entry).
+
+The two are separate saves because counting objects allocates a list of them all, which
+tracemalloc would count.
+"""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+from collections.abc import Callable
+from typing import Any
+
+
+def _objects() -> int:
+    return len(gc.get_objects())
+
+
+def _count_at_finish(writer: Any, base: int, out: dict[str, int]) -> None:
+    """Wrap ``writer.finish`` (and its store's record put, where it has one) to count."""
+    finish = writer.finish
+
+    def counted_finish(*args: Any, **kwargs: Any) -> Any:
+        out["at_finish"] = _objects() - base
+        store = getattr(writer, "_store", None)
+        if store is not None:
+            put = store.put
+
+            def counted_put(name: str, *a: Any, **kw: Any) -> Any:
+                if name == ".metadata":
+                    out["at_record_put"] = _objects() - base
+                return put(name, *a, **kw)
+
+            store.put = counted_put
+        return finish(*args, **kwargs)
+
+    writer.finish = counted_finish
+
+
+def measure_save(save: Callable[[Any], Any], make_writer: Callable[[str], Any], path: str, *,
+                 measured: bool) -> dict[str, Any]:
+    """Run ``save(writer)`` twice, each with a fresh ``make_writer(path + suffix)``, and return
+    the measured rank's figures (``{}`` elsewhere)."""
+    if not measured:
+        save(make_writer(path + "_1"))
+        save(make_writer(path + "_2"))
+        return {}
+    writer = make_writer(path + "_1")
+    gc.collect()
+    tracemalloc.start()
+    start, _ = tracemalloc.get_traced_memory()
+    save(writer)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    writer = make_writer(path + "_2")
+    gc.collect()
+    out: dict[str, int] = {"tracemalloc_peak_B": peak - start}
+    base = _objects()
+    _count_at_finish(writer, base, out)
+    gc.disable()
+    try:
+        save(writer)
+    finally:
+        gc.enable()
+    gc.collect()
+    out["held_after"] = _objects() - base
+    return out
