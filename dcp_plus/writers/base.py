@@ -26,6 +26,7 @@ from torch.futures import Future
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError, DcpPlusError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
+from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
@@ -322,7 +323,7 @@ class CommittingWriter(StoreClient, StorageWriter):
             raise CheckpointExistsError(self._exists_message() + " (it was committed while "
                                         "this save was running)")
         store.delete(tables)
-        stale = sorted(replaced - {e.file for e in extents.values()})
+        stale = sorted(replaced - extent_files(extents)) if replaced else []
         if stale:
             store.delete(stale)
             log.info("%s: removed %d data files of the checkpoint this commit replaced",
