@@ -1,7 +1,7 @@
 """A save's fixed costs against world size: DCP's planners vs CachedSavePlanner at 2-16 ranks.
 
     python -m benchmarks.scaling --ranks 2,4,8,16 --tensors 1000 --saves 5 --json s.json
-    python -m benchmarks.scaling --report s.json              # tables, fits and projection again
+    python -m benchmarks.scaling --report a.json b.json       # tables, fits and projection again
 
 Each rank count runs in its own spawned gloo world on 127.0.0.1 (oversubscribed on a small
 host: 16 ranks on 2 cores). Every rank saves its own ``--tensors`` plain tensors of 8 floats
@@ -31,10 +31,12 @@ projects.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import gc
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -84,16 +86,22 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
     counter = CollectiveBytes()
     planners = {name: make_planner(name, f"scaling{world}") for name in cfg["planners"]}
     out: dict[str, Any] = {name: [] for name in planners}
+    profile = cProfile.Profile() if cfg.get("profile") and rank == 0 else None
     with counter.count():
         for i in range(cfg["saves"]):
             for name, planner in planners.items():
                 gc.collect()
                 dist.barrier()
                 counter.take()
+                prof = profile if name == "cached_save" and i > 0 else None
+                if prof is not None:
+                    prof.enable()
                 c0, t0 = time.process_time(), time.perf_counter()
                 dcp.save(sd, storage_writer=make_writer(cfg["writer"], f"{root}/{name}_{i}"),
                          planner=planner)
                 wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if prof is not None:
+                    prof.disable()
                 events = counter.take()
                 out[name].append({"save_s": wall, "cpu_s": cpu, "plan_s": planner.plan_s,
                                   "hit": getattr(planner, "last_was_hit", None),
@@ -103,6 +111,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
             if rank == 0:
                 for name in planners:
                     shutil.rmtree(f"{root}/{name}_{i}", ignore_errors=True)
+    if profile is not None:
+        profile.dump_stats(os.path.join(cfg["profile"], f"cached_save_{world}_rank0.prof"))
     memory: dict[str, Any] = {}
 
     def writer(path: str) -> Any:
@@ -144,7 +154,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                          "cpu_s": ranks[0]["cpu_s"], "plan_s": ranks[0]["plan_s"],
                          "hit": ranks[0]["hit"], "per_rank_B": per, "coord_B": coord})
         results[name] = {"saves": rows, "memory": per_rank[0]["memory"][name]}
-    return {**{k: v for k, v in cfg.items() if k != "dir"},
+    return {**{k: v for k, v in cfg.items() if k not in ("dir", "profile")},
             "load_before": round(load_before, 2), "load_after": round(load1(), 2),
             "foreign_cores": None if fc.cores is None else round(fc.cores, 2),
             "wall_s": round(wall, 1), "results": results}
@@ -169,15 +179,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_NET.bandwidth_gbs,
                         help="projection: the coordinator's link, GB/s")
     parser.add_argument("--dir", help="parent of the temporary checkpoint directories")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cProfile the coordinator's CachedSavePlanner saves 2..N into DIR "
+                             "(their timings are then not representative)")
     parser.add_argument("--json", help="write the raw figures to this file")
-    parser.add_argument("--report", metavar="JSON", help="only render an earlier run's JSON")
+    parser.add_argument("--report", metavar="JSON", nargs="+",
+                        help="only render earlier runs' JSON (rank counts of several runs)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     net = Net(args.latency_us, args.per_message_us, args.bandwidth_gbs)
     if args.report:
-        with open(args.report) as f:
-            print("\n".join(report(json.load(f)["configs"], net)))
+        configs = []
+        for path in args.report:
+            with open(path) as f:
+                configs += json.load(f)["configs"]
+        print("\n".join(report(configs, net)))
         return
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     for name in args.planners:
         if name not in PLANNERS:
             parser.error(f"--planners: {name!r} is not one of {', '.join(PLANNERS)}")
@@ -186,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     configs = []
     for ranks in args.ranks:
         cfg = {"ranks": ranks, "tensors": args.tensors, "saves": args.saves,
-               "planners": args.planners, "writer": args.writer, "dir": args.dir}
+               "planners": args.planners, "writer": args.writer, "dir": args.dir,
+               "profile": args.profile}
         log.info("%d ranks x %d tensors: %d saves x %d planners ...", ranks, args.tensors,
                  args.saves, len(args.planners))
         res = run(cfg)
