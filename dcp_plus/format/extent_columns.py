@@ -25,13 +25,14 @@ from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.columns import Columns
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.key_prefix import prefix_problem
-from dcp_plus.format.record_checks import INT64_MAX
+from dcp_plus.format.record_checks import INT64_MAX, MAX_DIMS
 from dcp_plus.format.record_fields import FieldParser
 from dcp_plus.format.strict_json import loads_strict
 
 EXTENT_TABLE_FORMAT = "dcp_plus-extents"
-EXTENT_TABLE_VERSION = 4
-"""Columnar since 4; a table is written and read within one save, by one dcp_plus."""
+EXTENT_TABLE_VERSION = 5
+"""Columnar since 4, zero offsets as their count since 5; a table is written and read within
+one save, by one dcp_plus."""
 
 LOCATION_COLUMNS = ("file", "offset", "length", "raw_length", "codec", "checksum", "value")
 _CHECKSUMS = re.compile(rf"(?:{BOUND_ALGORITHM}:[0-9a-f]{{16}})*")
@@ -135,7 +136,9 @@ def _tables(p: FieldParser, root: dict[str, Any]) -> tuple[list[str], list[Any],
 
 def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
     """One rank's extents, exchanged through storage instead of the process group:
-    ``fqn`` and ``chunk`` (offsets, null for a value) columns beside the location columns."""
+    ``fqn`` and ``chunk`` (offsets; their count when all are 0, so that the coordinator
+    parses no list for a whole tensor; null for a value) columns beside the location
+    columns."""
     import json
 
     tables, cols = encode_locations(extents.values())
@@ -143,6 +146,7 @@ def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
                        **tables, "extents": {
                            "fqn": [i.fqn for i in extents],
                            "chunk": [None if i.offset is None else list(i.offset)
+                                     if any(i.offset) else len(i.offset)
                                      for i in extents], **cols}},
                       separators=(",", ":")).encode()
 
@@ -151,7 +155,8 @@ def decode_extent_table(data: bytes, source: str) -> dict[MetadataIndex, Extent]
     """Parse :func:`encode_extent_table` output strictly (errors name field and ``source``).
     """
     fqns, chunks, locations = decode_table_columns(data, source)
-    table = dict(zip(map(MetadataIndex, fqns, chunks), extents_of(locations), strict=True))
+    table = dict(zip(map(MetadataIndex, fqns, map(chunk_offsets, chunks)),
+                     extents_of(locations), strict=True))
     if len(table) != len(fqns):
         raise FieldParser(source).fail("extents", f"{len(fqns) - len(table)} items have two "
                                                   "extents")
@@ -170,4 +175,19 @@ def decode_table_columns(data: bytes, source: str
         raise p.fail("version", f"unsupported version; expected {EXTENT_TABLE_VERSION}")
     ex = Columns(p, p.get(root, "extents", dict, ""), "extents",
                  ("fqn", "chunk") + LOCATION_COLUMNS)
-    return ex.texts("fqn"), ex.shapes("chunk"), check_locations(p, root, ex)
+    return ex.texts("fqn"), ex.offsets("chunk"), check_locations(p, root, ex)
+
+
+def chunk_offsets(chunk: list[int] | int | None) -> list[int] | None:
+    """A table's ``chunk`` entry as offsets (a count ``n``: ``n`` zeros)."""
+    return [0] * chunk if type(chunk) is int else chunk  # type: ignore[return-value]
+
+
+_ZEROS = [(0,) * n for n in range(MAX_DIMS + 1)]
+
+
+def chunk_key(chunk: list[int] | int | None) -> tuple[int, ...] | None:
+    """A table's ``chunk`` entry as a tuple of offsets (the zero ones shared)."""
+    if chunk is None:
+        return None
+    return _ZEROS[chunk] if type(chunk) is int else tuple(chunk)  # type: ignore[arg-type]

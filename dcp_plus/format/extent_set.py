@@ -18,6 +18,8 @@ from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.extent_columns import (
     LOCATION_COLUMNS,
+    chunk_key,
+    chunk_offsets,
     decode_table_columns,
     extents_of,
 )
@@ -28,7 +30,8 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
 
     def __init__(self) -> None:
         self.fqn: list[str] = []
-        self.chunk: list[list[int] | None] = []
+        self.chunk: list[list[int] | int | None] = []
+        """Offsets per extent: a list, the count of its zero offsets, or None (a value)."""
         self.files: list[str] = []
         self.prefixes: list[str | None] = []
         self.codecs: list[str] = []
@@ -67,14 +70,14 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
 
     def check_unique(self, source: str) -> None:
         """Raise ``CheckpointFormatError`` (naming ``source``) if an item has two extents."""
-        keys = set(zip(self.fqn, map(_chunk_key, self.chunk), strict=True))
+        keys = set(zip(self.fqn, map(chunk_key, self.chunk), strict=True))
         if len(keys) != len(self.fqn):
             seen: set[tuple[str, Any]] = set()
             for fqn, chunk in zip(self.fqn, self.chunk, strict=True):
-                if (fqn, _chunk_key(chunk)) in seen:
-                    raise CheckpointFormatError(f"{source}: {fqn!r} (chunk {chunk}) has two "
-                                                "extents")
-                seen.add((fqn, _chunk_key(chunk)))
+                if (fqn, chunk_key(chunk)) in seen:
+                    raise CheckpointFormatError(f"{source}: {fqn!r} (chunk "
+                                                f"{chunk_offsets(chunk)}) has two extents")
+                seen.add((fqn, chunk_key(chunk)))
 
     def locations(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         """``(tables, columns)`` as :func:`~dcp_plus.format.extent_columns.encode_locations`
@@ -94,7 +97,7 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
     def _table(self) -> dict[MetadataIndex, Extent]:
         if self._rows is None:
             locations = (self.files, self.prefixes, self.codecs, self.columns)
-            self._rows = dict(zip(map(MetadataIndex, self.fqn, self.chunk),
+            self._rows = dict(zip(map(MetadataIndex, self.fqn, map(chunk_offsets, self.chunk)),
                                   extents_of(locations), strict=True))
         return self._rows
 
@@ -109,10 +112,6 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_rows": None}
-
-
-def _chunk_key(chunk: list[int] | None) -> tuple[int, ...] | None:
-    return None if chunk is None else tuple(chunk)
 
 
 def extent_files(extents: Mapping[MetadataIndex, Extent]) -> set[str]:

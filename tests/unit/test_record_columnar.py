@@ -229,3 +229,18 @@ def test_extent_tables_naming_one_file_or_one_item_twice_are_refused(rich):
     columns.add_table(encode_extent_table({index: ext._replace(file="other")}), "/c/__1.x")
     with pytest.raises(CheckpointFormatError, match=f"/c/tables: {index.fqn!r} .*two extents"):
         columns.check_unique("/c/tables")
+
+
+def test_an_extent_tables_zero_offsets_are_a_count_and_a_bad_count_is_refused(rich):
+    from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
+
+    extents = decode_record(seal_record(rich[2]), "c").storage_data
+    data = encode_extent_table(extents)
+    rec = json.loads(data)
+    zero = [i for i, c in enumerate(rec["extents"]["chunk"]) if type(c) is int]
+    assert zero and all(not any(list(extents)[i].offset) for i in zero)
+    assert decode_extent_table(data, "t") == extents
+    for bad in (65, -1, True):
+        rec["extents"]["chunk"][zero[0]] = bad
+        with pytest.raises(CheckpointFormatError, match=f"'extents.chunk\\[{zero[0]}\\]'"):
+            decode_extent_table(json.dumps(rec).encode(), "/c/__1.x.extents")
