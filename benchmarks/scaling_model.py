@@ -15,10 +15,10 @@ ranks), so it is a floor under the fixed costs, not a prediction of a save's wal
 
 from __future__ import annotations
 
-import math
 import statistics
-from dataclasses import dataclass
 from typing import Any
+
+from dcp_plus.cli.plan.fixed_costs import DEFAULT_NET, Net, collective_s
 
 PHASES = ("plan_gather", "plan_scatter", "write_gather", "metadata_broadcast")
 LABELS = {"dcp_default": "DefaultSavePlanner",
@@ -27,21 +27,6 @@ LABELS = {"dcp_default": "DefaultSavePlanner",
 PROJECT_TO = (1856, 16384)
 BLOG = ("PyTorch's blog (Llama3-70B, 1,856 H200, TorchTitan + HSDP2): stage-2 time ~436 s "
         "with DCP's defaults, ~67 s with cached plans and the process executor")
-
-
-@dataclass(frozen=True)
-class Net:
-    """The network the projection assumes."""
-
-    latency_us: float = 30.0
-    """One hop between two hosts (TCP through gloo: tens of microseconds)."""
-    per_message_us: float = 5.0
-    """The coordinator's cost to receive or send one small message."""
-    bandwidth_gbs: float = 12.5
-    """The coordinator's link (100 Gb/s front-end Ethernet), GB/s."""
-
-
-DEFAULT_NET = Net()
 
 
 def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -62,13 +47,7 @@ def steady(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> floa
 
 def network_s(ranks: int, payload: dict[str, float], net: Net) -> float:
     """Seconds of one save's four collectives at ``ranks`` (see the module docstring)."""
-    hops = max(1, math.ceil(math.log2(max(ranks, 2))))
-    lat, msg, bw = net.latency_us * 1e-6, net.per_message_us * 1e-6, net.bandwidth_gbs * 1e9
-    total = 0.0
-    for phase in ("plan_gather", "plan_scatter", "write_gather"):
-        total += hops * lat + ranks * (msg + payload[phase] / bw)
-    total += hops * (lat + payload["metadata_broadcast"] / bw)
-    return total
+    return sum(collective_s(phase, ranks, payload[phase], net) for phase in PHASES)
 
 
 def fits(configs: list[dict[str, Any]], name: str) -> dict[str, tuple[float, float]]:
