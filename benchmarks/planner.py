@@ -119,7 +119,7 @@ def make_planner(name: str, tag: str) -> Any:
     if name == "dcp_default":
         return type(f"TimedDefault_{tag}", (_Timed, DefaultSavePlanner), {})()
     if name in ("dcp_cached", "dcp_cached_local"):
-        return type(f"TimedDcpCached_{tag}", (_Timed, DefaultSavePlanner), {})(
+        return type(f"TimedDcpCached_{name}_{tag}", (_Timed, DefaultSavePlanner), {})(
             enable_plan_caching=True
         )
     return type(f"TimedCached_{tag}", (_Timed, CachedSavePlanner), {})()
