@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from benchmarks.planner import make_planner, state_dict
+from benchmarks.planner import load_configs, make_planner, state_dict
 from benchmarks.scaling_memory import measure_save
 from benchmarks.scaling_model import DEFAULT_NET, Net, report
 from dcp_plus.cli.bench.machine import ForeignCpu, load1, machine
@@ -189,11 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     net = Net(args.latency_us, args.per_message_us, args.bandwidth_gbs)
     if args.report:
-        configs = []
-        for path in args.report:
-            with open(path) as f:
-                configs += json.load(f)["configs"]
-        print("\n".join(report(configs, net)))
+        print("\n".join(report(load_configs(args.report), net)))
         return
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
