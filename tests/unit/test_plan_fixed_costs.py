@@ -8,7 +8,9 @@ import pytest
 from dcp_plus.cli.main import main
 from dcp_plus.cli.plan import CapacityInputError, CapacityInputs, plan_capacity
 from dcp_plus.cli.plan.fixed_costs import (
+    COORD_S_PER_RANK,
     COORD_S_PER_RANK_TENSOR,
+    LOCAL_S_PER_SAVE,
     LOCAL_S_PER_TENSOR,
     Net,
     collective_s,
@@ -25,9 +27,9 @@ def test_commit_grows_with_ranks_times_tensors_and_planning_with_tensors_alone()
     small, wide, deep = fixed_costs(16, 1000), fixed_costs(1600, 1000), fixed_costs(16, 2000)
     net_only = Net(latency_us=0.0, per_message_us=0.0, bandwidth_gbs=1e12)
     assert fixed_costs(1600, 1000, net_only).commit_s == pytest.approx(
-        COORD_S_PER_RANK_TENSOR * 1600 * 1000, rel=1e-6)
+        (COORD_S_PER_RANK + COORD_S_PER_RANK_TENSOR * 1000) * 1600, rel=1e-6)
     assert fixed_costs(16, 1000, net_only).planning_s == pytest.approx(
-        LOCAL_S_PER_TENSOR * 1000, rel=1e-6)
+        LOCAL_S_PER_SAVE + LOCAL_S_PER_TENSOR * 1000, rel=1e-6)
     assert wide.commit_s > 50 * small.commit_s
     assert deep.planning_s > small.planning_s and deep.commit_s > small.commit_s
     assert wide.total_s == pytest.approx(wide.planning_s + wide.commit_s)

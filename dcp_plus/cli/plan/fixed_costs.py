@@ -3,15 +3,19 @@
 A steady save with ``CachedSavePlanner`` (a plan-cache hit) on a dcp_plus writer costs,
 besides moving its bytes:
 
-* planning: each rank's own per-tensor work (flatten and fingerprint, the write items' and
-  checksums' bookkeeping), in parallel on every rank, plus DCP's plan gather and scatter;
+* planning: each rank's own work, per save and per tensor (flatten and fingerprint, the
+  write items' and checksums' bookkeeping), in parallel on every rank, plus DCP's plan
+  gather and scatter;
 * commit: the coordinator reading every rank's extent table and writing the commit record
-  (work per tensor of the world), plus the write-result gather and the metadata broadcast.
+  (work per rank and per tensor of the world), plus the write-result gather and the
+  metadata broadcast.
 
-The constants are measured with ``benchmarks/scaling.py`` (2-16 ranks x 1,000 tensors per
-rank on the 2-core dev VM; commands and figures in ``docs/benchmarks.md``, section "Fixed
-costs at scale (issue 22)"): the coordinator's CPU time fitted as ``a + b x ranks``, divided
-by the 1,000 tensors per rank. The network is the model stated there (:class:`Net`).
+The constants are measured with ``benchmarks/scaling.py`` on the 2-core dev VM (commands and
+figures in ``docs/benchmarks.md``, section "Fixed costs at scale (issue 22)"): the
+coordinator's CPU time fitted as ``a + b x ranks`` at 250 and at 1,000 tensors per rank
+(2-16 ranks each, 2026-12-04, commit ``c15ed1a``), then ``a`` and ``b`` each split into a
+constant and a per-tensor part from the two tensor counts. The network is the model stated
+there (:class:`Net`).
 """
 
 from __future__ import annotations
@@ -19,13 +23,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LOCAL_S_PER_TENSOR = 49e-6
-"""One rank's own CPU time per tensor of a hit save: ``a / 1,000`` of the fit (0.0491 s at
-1,000 tensors per rank, 2026-12-04, commit c15ed1a)."""
-COORD_S_PER_RANK_TENSOR = 10.8e-6
-"""The coordinator's CPU time per tensor of each rank: ``b / 1,000`` of the fit (10.76 ms
-per rank at 1,000 tensors per rank; it holds the per-rank costs too, which one tensor count
-cannot tell apart)."""
+LOCAL_S_PER_SAVE = 23e-3
+"""One rank's own CPU time per hit save, whatever its tensors (files, tables, collectives)."""
+LOCAL_S_PER_TENSOR = 26e-6
+"""One rank's own CPU time per tensor of a hit save."""
+COORD_S_PER_RANK = 0.59e-3
+"""The coordinator's CPU time per rank (reading its extent table, its share of the
+collectives)."""
+COORD_S_PER_RANK_TENSOR = 10.2e-6
+"""The coordinator's CPU time per tensor of each rank (the table's rows, the record's)."""
 HIT_PAYLOAD_B = {"plan_gather": 162, "plan_scatter": 225, "write_gather": 381,
                  "metadata_broadcast": 206}
 """Bytes one rank puts in each collective of a hit (measured; independent of the tensors)."""
@@ -73,8 +79,8 @@ class FixedCosts:
 def fixed_costs(ranks: int, tensors_per_rank: int, net: Net = DEFAULT_NET) -> FixedCosts:
     """The planning and commit time of a ``CachedSavePlanner`` hit at this scale."""
     p = HIT_PAYLOAD_B
-    planning = LOCAL_S_PER_TENSOR * tensors_per_rank + sum(
+    planning = LOCAL_S_PER_SAVE + LOCAL_S_PER_TENSOR * tensors_per_rank + sum(
         collective_s(k, ranks, p[k], net) for k in ("plan_gather", "plan_scatter"))
-    commit = COORD_S_PER_RANK_TENSOR * ranks * tensors_per_rank + sum(
+    commit = (COORD_S_PER_RANK + COORD_S_PER_RANK_TENSOR * tensors_per_rank) * ranks + sum(
         collective_s(k, ranks, p[k], net) for k in ("write_gather", "metadata_broadcast"))
     return FixedCosts(planning, commit)
