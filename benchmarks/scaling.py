@@ -49,7 +49,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from benchmarks.planner import load_configs, make_planner, state_dict
-from benchmarks.scaling_memory import measure_save
+from benchmarks.scaling_memory import held_by, measure_save
 from benchmarks.scaling_model import DEFAULT_NET, Net, report
 from dcp_plus.cli.bench.machine import ForeignCpu, load1, machine
 from dcp_plus.writers import LocalWriter
@@ -127,6 +127,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
 
         memory[name] = measure_save(save, writer, f"{root}/{name}_mem", measured=rank == 0)
         memory[name]["hit"] = getattr(planner, "last_was_hit", None)
+        if rank == 0:
+            memory[name]["held_by_planner"] = held_by(planner)
     return {"saves": out, "memory": memory}
 
 

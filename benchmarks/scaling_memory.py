@@ -11,15 +11,21 @@ Two saves are run (every rank runs both, so the collectives match); on the measu
    e.g. a new cache entry).
 
 The two are separate saves because counting objects allocates a list of them all, which
-tracemalloc would count.
+tracemalloc would count. :func:`held_by` counts what a planner keeps between saves.
 """
 
 from __future__ import annotations
 
 import gc
 import tracemalloc
+import types
 from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch.distributed.checkpoint.planner import SavePlanner
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.Tensor)
 
 
 def _objects() -> int:
@@ -75,3 +81,25 @@ def measure_save(save: Callable[[Any], Any], make_writer: Callable[[str], Any], 
     gc.collect()
     out["held_after"] = _objects() - base
     return out
+
+
+def held_by(planner: Any) -> int:
+    """gc-tracked objects reachable from ``planner`` and from its entries in DCP's class-level
+    plan caches (``SavePlanner._cached_*``, keyed by class name), not counting classes,
+    modules, functions or tensors (the state dict's own) and what lies behind them."""
+    key = getattr(planner, "_cached_plans_key", None)
+    todo: list[Any] = [planner]
+    for name, value in vars(SavePlanner).items():
+        if name.startswith("_cached_") and isinstance(value, dict) and key in value:
+            todo.append(value[key])
+    seen: set[int] = set()
+    count = 0
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        if gc.is_tracked(obj):
+            count += 1
+            todo.extend(gc.get_referents(obj))
+    return count

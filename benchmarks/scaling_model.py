@@ -72,11 +72,13 @@ def _mem_cells(c: dict[str, Any], name: str) -> str:
     m = c["results"][name]["memory"]
     n = c["ranks"] * c["tensors"]
     if not m:
-        return "– | – | – | –"
+        return "– | – | – | – | –"
     at = m.get("at_record_put", m.get("at_finish", 0))
+    held = m.get("held_by_planner")
     return (f"{m['tracemalloc_peak_B'] / 1e6:.1f} ({m['tracemalloc_peak_B'] / n:.0f} B) "
             f"| {m.get('at_finish', 0):,} ({m.get('at_finish', 0) / n:.2f}) "
-            f"| {at:,} ({at / n:.2f}) | {m['held_after']:,}")
+            f"| {at:,} ({at / n:.2f}) | {m['held_after']:,} "
+            f"| {'–' if held is None else f'{held:,} ({held / n:.1f})'}")
 
 
 def report(configs: list[dict[str, Any]], net: Net = DEFAULT_NET) -> list[str]:
@@ -90,11 +92,13 @@ def report(configs: list[dict[str, Any]], net: Net = DEFAULT_NET) -> list[str]:
              "Memory (one extra save, a hit for the caching planners, on the coordinator): "
              "tracemalloc peak (per tensor of the world), gc-tracked objects alive at "
              "`finish` entry and at the record's put above the count before the save (per "
-             "tensor of the world), objects left after it.", "",
+             "tensor of the world), objects left after it, and what the planner holds "
+             "between saves (gc-tracked objects reachable from it and its DCP cache entries; "
+             "per tensor of the world).", "",
              "| ranks | planner | hits | wall s | coordinator CPU s | per-rank B | "
              "coordinator B | peak MB (B/tensor) | objects at finish (/tensor) | "
-             "objects at record put (/tensor) | objects left |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "objects at record put (/tensor) | objects left | planner holds (/tensor) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in configs:
         for name in names:
             if name not in c["results"]:

@@ -26,6 +26,7 @@ def test_a_tiny_run_measures_bytes_cpu_and_memory_and_projects(tmp_path: Path) -
                    for r in saves)
         mem = rows[name]["memory"]
         assert mem["tracemalloc_peak_B"] > 0 and "at_finish" in mem and "at_record_put" in mem
+        assert mem["held_by_planner"] > 0
     assert rows["cached_save"]["memory"]["hit"] is True
     # a hit's plan exchange is smaller than DCP's default planner's full plans
     ours = rows["cached_save"]["saves"][2]["per_rank_B"]["plan_gather"]
