@@ -16,6 +16,7 @@ tracemalloc would count. :func:`held_by` counts what a planner keeps between sav
 
 from __future__ import annotations
 
+import collections
 import gc
 import tracemalloc
 import types
@@ -26,6 +27,8 @@ import torch
 from torch.distributed.checkpoint.planner import SavePlanner
 
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, torch.Tensor)
+_CONTAINERS = (dict, list, tuple, set, frozenset, collections.deque)  # and subclasses
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
 def _objects() -> int:
@@ -86,7 +89,8 @@ def measure_save(save: Callable[[Any], Any], make_writer: Callable[[str], Any], 
 def held_by(planner: Any) -> int:
     """gc-tracked objects reachable from ``planner`` and from its entries in DCP's class-level
     plan caches (``SavePlanner._cached_*``, keyed by class name), not counting classes,
-    modules, functions or tensors (the state dict's own) and what lies behind them."""
+    modules, functions or tensors (the state dict's own) and what lies behind them; objects
+    of C types (``torch.Size``, torch's bindings) count but are not walked into."""
     key = getattr(planner, "_cached_plans_key", None)
     todo: list[Any] = [planner]
     for name, value in vars(SavePlanner).items():
@@ -101,5 +105,6 @@ def held_by(planner: Any) -> int:
         seen.add(id(obj))
         if gc.is_tracked(obj):
             count += 1
-            todo.extend(gc.get_referents(obj))
+            if isinstance(obj, _CONTAINERS) or type(obj).__flags__ & _HEAPTYPE:
+                todo.extend(gc.get_referents(obj))  # not into C objects (torch's among them)
     return count
