@@ -119,7 +119,7 @@ def make_planner(name: str, tag: str) -> Any:
     if name == "dcp_default":
         return type(f"TimedDefault_{tag}", (_Timed, DefaultSavePlanner), {})()
     if name in ("dcp_cached", "dcp_cached_local"):
-        return type(f"TimedDcpCached_{tag}", (_Timed, DefaultSavePlanner), {})(
+        return type(f"TimedDcpCached_{name}_{tag}", (_Timed, DefaultSavePlanner), {})(
             enable_plan_caching=True
         )
     return type(f"TimedCached_{tag}", (_Timed, CachedSavePlanner), {})()
@@ -376,6 +376,15 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def load_configs(paths: list[str]) -> list[dict[str, Any]]:
+    """The configurations of earlier runs' ``--json`` files, in order."""
+    configs: list[dict[str, Any]] = []
+    for path in paths:
+        with open(path) as f:
+            configs += json.load(f)["configs"]
+    return configs
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the benchmark (or render runs' JSON) and print Markdown tables."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -402,11 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.report:
-        configs = []
-        for path in args.report:
-            with open(path) as f:
-                configs += json.load(f)["configs"]
-        print("\n".join(report(configs)))
+        print("\n".join(report(load_configs(args.report))))
         return
     if args.quick:
         args.ranks, args.tensors, args.placements, args.saves = [2], [3000], ["mixed"], 4

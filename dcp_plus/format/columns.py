@@ -58,6 +58,17 @@ class Columns:
                 "a string" + (" or null" if nullable else ""))
         return col
 
+    def offsets(self, name: str) -> list[Any]:
+        """A column of dimension lists, counts of zero dimensions or nulls (an extent
+        table's ``chunk``)."""
+        col = self.column(name)
+        counts = [v for v in col if type(v) is int]
+        lists = [v for v in col if v is not None and type(v) is not int]
+        if (not counts or (min(counts) >= 0 and max(counts) <= MAX_DIMS)) and _all_shapes(lists):
+            return col
+        raise self.bad(name, col, _is_offsets, f"a list of at most {MAX_DIMS} non-negative "
+                       f"int64 integers, a dimension count in [0, {MAX_DIMS}] or null")
+
     def shapes(self, name: str, allowed: list[bool] | None = None) -> list[Any]:
         """A column of dimension lists or nulls (lists only where ``allowed``)."""
         col = self.column(name)
@@ -74,6 +85,11 @@ class Columns:
         raise self.p.fail(f"{self.where}.{name}[{i}]",
                           f"expected a list of at most {MAX_DIMS} non-negative int64 "
                           f"integers, got {str(col[i])[:80]!r}")
+
+
+def _is_offsets(v: Any) -> bool:
+    return v is None or (type(v) is int and 0 <= v <= MAX_DIMS) or (
+        type(v) is list and _all_shapes([v]))
 
 
 def _all_text(strs: list[Any]) -> bool:

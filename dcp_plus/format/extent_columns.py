@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -25,13 +25,14 @@ from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.columns import Columns
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.key_prefix import prefix_problem
-from dcp_plus.format.record_checks import INT64_MAX
+from dcp_plus.format.record_checks import INT64_MAX, MAX_DIMS
 from dcp_plus.format.record_fields import FieldParser
 from dcp_plus.format.strict_json import loads_strict
 
 EXTENT_TABLE_FORMAT = "dcp_plus-extents"
-EXTENT_TABLE_VERSION = 4
-"""Columnar since 4; a table is written and read within one save, by one dcp_plus."""
+EXTENT_TABLE_VERSION = 5
+"""Columnar since 4, zero offsets as their count since 5; a table is written and read within
+one save, by one dcp_plus."""
 
 LOCATION_COLUMNS = ("file", "offset", "length", "raw_length", "codec", "checksum", "value")
 _CHECKSUMS = re.compile(rf"(?:{BOUND_ALGORITHM}:[0-9a-f]{{16}})*")
@@ -72,9 +73,13 @@ def encode_locations(extents: Iterable[Extent]) -> tuple[dict[str, Any], dict[st
     return tables, cols
 
 
-def decode_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> list[Extent]:
-    """The extents the location columns of table ``ex`` (and the tables of ``root``)
-    describe, every field checked."""
+Locations = tuple[list[str], list[Any], list[str], dict[str, list[Any]]]
+"""``(files, prefixes, codecs, columns)``: the tables and the location columns, checked."""
+
+
+def check_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> Locations:
+    """The location columns of table ``ex`` and the tables of ``root``, every field checked
+    (``value`` filled with nulls where it is absent)."""
     files, prefixes, codecs = _tables(p, root)
     file, codec = ex.ints("file", below=len(files)), ex.ints("codec", below=len(codecs))
     offset, length, raw = ex.ints("offset"), ex.ints("length"), ex.ints("raw_length")
@@ -87,9 +92,23 @@ def decode_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> list[
         raise ex.bad("checksum", checksums, lambda c: type(c) is str and _CHECKSUMS.fullmatch(c)
                      is not None and len(c) == _CHECKSUM_CHARS, "a version-4 extent checksum")
     values = ex.texts("value", nullable=True, optional=True)
-    return list(map(Extent, map(files.__getitem__, file), offset, length, raw,
-                    map(codecs.__getitem__, codec), checksums, values,
-                    map(prefixes.__getitem__, file)))
+    return files, prefixes, codecs, {"file": file, "offset": offset, "length": length,
+                                     "raw_length": raw, "codec": codec, "checksum": checksums,
+                                     "value": values}
+
+
+def decode_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> list[Extent]:
+    """The extents the location columns of table ``ex`` (and the tables of ``root``)
+    describe, every field checked."""
+    return list(extents_of(check_locations(p, root, ex)))
+
+
+def extents_of(locations: Locations) -> Iterator[Extent]:
+    """One ``Extent`` per row of checked location columns."""
+    files, prefixes, codecs, c = locations
+    return map(Extent, map(files.__getitem__, c["file"]), c["offset"], c["length"],
+               c["raw_length"], map(codecs.__getitem__, c["codec"]), c["checksum"], c["value"],
+               map(prefixes.__getitem__, c["file"]))
 
 
 def _tables(p: FieldParser, root: dict[str, Any]) -> tuple[list[str], list[Any], list[str]]:
@@ -117,7 +136,9 @@ def _tables(p: FieldParser, root: dict[str, Any]) -> tuple[list[str], list[Any],
 
 def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
     """One rank's extents, exchanged through storage instead of the process group:
-    ``fqn`` and ``chunk`` (offsets, null for a value) columns beside the location columns."""
+    ``fqn`` and ``chunk`` (offsets; their count when all are 0, so that the coordinator
+    parses no list for a whole tensor; null for a value) columns beside the location
+    columns."""
     import json
 
     tables, cols = encode_locations(extents.values())
@@ -125,6 +146,7 @@ def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
                        **tables, "extents": {
                            "fqn": [i.fqn for i in extents],
                            "chunk": [None if i.offset is None else list(i.offset)
+                                     if any(i.offset) else len(i.offset)
                                      for i in extents], **cols}},
                       separators=(",", ":")).encode()
 
@@ -132,6 +154,19 @@ def encode_extent_table(extents: Mapping[MetadataIndex, Extent]) -> bytes:
 def decode_extent_table(data: bytes, source: str) -> dict[MetadataIndex, Extent]:
     """Parse :func:`encode_extent_table` output strictly (errors name field and ``source``).
     """
+    fqns, chunks, locations = decode_table_columns(data, source)
+    table = dict(zip(map(MetadataIndex, fqns, map(chunk_offsets, chunks)),
+                     extents_of(locations), strict=True))
+    if len(table) != len(fqns):
+        raise FieldParser(source).fail("extents", f"{len(fqns) - len(table)} items have two "
+                                                  "extents")
+    return table
+
+
+def decode_table_columns(data: bytes, source: str
+                         ) -> tuple[list[str], list[Any], Locations]:
+    """``(fqns, chunks, locations)`` of :func:`encode_extent_table` output, parsed strictly
+    (errors name field and ``source``) into columns: no object per extent."""
     p = FieldParser(source)
     root = loads_strict(data, source, "extent table")
     if p.get(root, "format", str, "") != EXTENT_TABLE_FORMAT:
@@ -140,9 +175,19 @@ def decode_extent_table(data: bytes, source: str) -> dict[MetadataIndex, Extent]
         raise p.fail("version", f"unsupported version; expected {EXTENT_TABLE_VERSION}")
     ex = Columns(p, p.get(root, "extents", dict, ""), "extents",
                  ("fqn", "chunk") + LOCATION_COLUMNS)
-    fqns, chunks = ex.texts("fqn"), ex.shapes("chunk")
-    table = dict(zip(map(MetadataIndex, fqns, chunks), decode_locations(p, root, ex),
-                     strict=True))
-    if len(table) != ex.n:
-        raise p.fail("extents", f"{ex.n - len(table)} items have two extents")
-    return table
+    return ex.texts("fqn"), ex.offsets("chunk"), check_locations(p, root, ex)
+
+
+def chunk_offsets(chunk: list[int] | int | None) -> list[int] | None:
+    """A table's ``chunk`` entry as offsets (a count ``n``: ``n`` zeros)."""
+    return [0] * chunk if type(chunk) is int else chunk  # type: ignore[return-value]
+
+
+_ZEROS = [(0,) * n for n in range(MAX_DIMS + 1)]
+
+
+def chunk_key(chunk: list[int] | int | None) -> tuple[int, ...] | None:
+    """A table's ``chunk`` entry as a tuple of offsets (the zero ones shared)."""
+    if chunk is None:
+        return None
+    return _ZEROS[chunk] if type(chunk) is int else tuple(chunk)  # type: ignore[arg-type]

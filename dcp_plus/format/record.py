@@ -54,7 +54,7 @@ from dcp_plus.format.strict_json import loads_strict
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_RECORD_BYTES", "RECORD_NAME", "Extent",
            "decode_extent_table", "decode_record", "dtype_name", "encode_extent_table",
-           "encode_record", "extent_identity", "seal"]
+           "encode_record", "extent_identity", "gc_paused", "seal"]
 
 FORMAT_NAME = "dcp_plus"
 FORMAT_VERSION = 2
@@ -72,9 +72,10 @@ _TRAILER = re.compile(rb',"record_checksum":"([^"]{0,64})"\}\s*\Z')
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a record's millions of acyclic objects are built:
-    the collections it would trigger take half of a 100,000-tensor decode's time."""
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a record's millions of acyclic objects are built
+    (the collections it would trigger take half of a 100,000-tensor decode's time), or while
+    a writer builds its per-item bookkeeping."""
     was = gc.isenabled()
     gc.disable()
     try:
@@ -98,7 +99,7 @@ def seal(body: bytes) -> bytes:
 def encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) -> bytes:
     """Serialize DCP metadata and the extent table to the sealed record's bytes (version 2;
     3 when an extent has a key prefix)."""
-    with _gc_paused():
+    with gc_paused():
         return _encode_record(metadata, extents)
 
 
@@ -184,7 +185,7 @@ def decode_record(data: bytes, source: str) -> Metadata:
         CheckpointFormatError: naming the field and ``source`` for any deviation.
         CorruptCheckpointError: a version-2 record that does not match its checksum.
     """
-    with _gc_paused():
+    with gc_paused():
         return _decode_record(data, source)
 
 

@@ -25,7 +25,7 @@ import itertools
 import math
 import operator
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,7 +42,13 @@ from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import BOUND_ALGORITHM
 from dcp_plus.format.columns import Columns
 from dcp_plus.format.extent import Extent
-from dcp_plus.format.extent_columns import LOCATION_COLUMNS, decode_locations, encode_locations
+from dcp_plus.format.extent_columns import (
+    LOCATION_COLUMNS,
+    chunk_key,
+    decode_locations,
+    encode_locations,
+)
+from dcp_plus.format.extent_set import ExtentSet
 from dcp_plus.format.record_checks import INT64_MAX, STORED_DTYPES, check_tiling
 from dcp_plus.format.record_fields import FieldParser
 
@@ -70,50 +76,77 @@ def encode_columns(metadata: Metadata, extents: Mapping[MetadataIndex, Extent],
     position = {fqn: i for i, fqn in enumerate(sd_md)}
     tensors = [md if isinstance(md, TensorStorageMetadata) else None for md in sd_md.values()]
     dtypes: dict[str, int] = {}
+    dtype_at: dict[torch.dtype, int] = {}  # a dtype's name looked up once, not per item
+
+    def dtype_index(dtype: torch.dtype) -> int:
+        at = dtype_at.get(dtype)
+        if at is None:
+            at = dtype_at[dtype] = dtypes.setdefault(dtype_name(dtype), len(dtypes))
+        return at
+
     items = {
         "fqn": list(sd_md),
-        "dtype": [None if md is None else dtypes.setdefault(dtype_name(md.properties.dtype),
-                                                            len(dtypes)) for md in tensors],
+        "dtype": [None if md is None else dtype_index(md.properties.dtype) for md in tensors],
         "requires_grad": [None if md is None else bool(md.properties.requires_grad)
                           for md in tensors],
         "size": [None if md is None else list(md.size) for md in tensors],
     }
-    rows = [_chunk_columns(index, position, tensors) for index in extents]
+    if isinstance(extents, ExtentSet):  # columns in, columns out: no object per extent
+        keys: Iterable[tuple[str, Any]] = zip(extents.fqn, map(chunk_key, extents.chunk),
+                                          strict=True)
+        tables, locations = extents.locations()
+    else:
+        keys = ((i.fqn, i.offset) for i in extents)
+        tables, locations = encode_locations(extents.values())
+    # dims of each tensor stored as one chunk at offset 0 (its extents' columns are null)
+    whole = [-1 if md is None or len(md.chunks) != 1 or any(md.chunks[0].offsets)
+             or md.chunks[0].sizes != md.size else len(md.size) for md in tensors]
+    table: dict[str, list[Any]] = {k: [] for k in _CHUNK_COLUMNS}
+    item, offsets, sizes = (x.append for x in table.values())
+    for fqn, offset in keys:
+        i = position.get(fqn)
+        if i is not None and offset is not None and whole[i] == len(offset) and not any(offset):
+            item(i)
+            offsets(None)
+            sizes(None)
+            continue
+        row = _chunk_columns(fqn, offset, position, tensors)
+        item(row[0])
+        offsets(row[1])
+        sizes(row[2])
     stored = sum(len(md.chunks) for md in tensors if md is not None) + tensors.count(None)
-    if stored != len(rows):
-        raise CheckpointFormatError(f"{len(rows)} extents for {stored} stored chunks and "
-                                    "values: every chunk and value has exactly one extent")
-    tables, locations = encode_locations(extents.values())
-    table = dict(zip(_CHUNK_COLUMNS, map(list, zip(*rows, strict=True)), strict=True)) \
-        if rows else {k: [] for k in _CHUNK_COLUMNS}
+    if stored != len(table["item"]):
+        raise CheckpointFormatError(f"{len(table['item'])} extents for {stored} stored chunks "
+                                    "and values: every chunk and value has exactly one extent")
     return {"dtypes": list(dtypes), "items": items, **tables,
             "extents": {**table, **locations}}
 
 
-def _chunk_columns(index: MetadataIndex, position: Mapping[str, int],
+def _chunk_columns(fqn: str, offset: tuple[int, ...] | None, position: Mapping[str, int],
                    tensors: list[TensorStorageMetadata | None]) -> tuple[Any, ...]:
-    """``(item, offsets, sizes)`` of the extent of ``index``."""
-    item = position.get(index.fqn)
+    """``(item, offsets, sizes)`` of the extent of item ``fqn`` at chunk ``offset``."""
+    item = position.get(fqn)
     if item is None:
-        raise CheckpointFormatError(f"an extent for {index.fqn!r}, which is no item")
+        raise CheckpointFormatError(f"an extent for {fqn!r}, which is no item")
     md = tensors[item]
     offsets = sizes = None
     if md is not None:
-        chunk = _chunk_at(md, index)
+        chunk = _chunk_at(md, offset)
         if chunk is None:
-            raise CheckpointFormatError(f"an extent for tensor {index.fqn!r} at "
-                                        f"{index.offset}, where it has no chunk")
+            raise CheckpointFormatError(f"an extent for tensor {fqn!r} at "
+                                        f"{offset}, where it has no chunk")
         if chunk.sizes != md.size or any(chunk.offsets):  # else null: the whole tensor
             offsets, sizes = list(chunk.offsets), list(chunk.sizes)
     return item, offsets, sizes
 
 
-def _chunk_at(md: TensorStorageMetadata, index: MetadataIndex) -> ChunkStorageMetadata | None:
-    if index.offset is None:
+def _chunk_at(md: TensorStorageMetadata, offset: tuple[int, ...] | None
+              ) -> ChunkStorageMetadata | None:
+    if offset is None:
         return None
-    if md.chunks and md.chunks[0].offsets == index.offset:
+    if md.chunks and md.chunks[0].offsets == offset:
         return md.chunks[0]
-    return next((c for c in md.chunks if c.offsets == index.offset), None)
+    return next((c for c in md.chunks if c.offsets == offset), None)
 
 
 # ------------------------------------------------------------------------------------ decode

@@ -26,8 +26,9 @@ from torch.futures import Future
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError, DcpPlusError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
+from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_data_file
-from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
+from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record, gc_paused
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.placement import Placed
@@ -222,11 +223,12 @@ class CommittingWriter(StoreClient, StorageWriter):
         info = plan.storage_data
         if not isinstance(info, RankInfo):
             info = RankInfo(self.rank)
-        items = resolve_items(plan, planner, self.allow_pickle)
-        raw_lengths = {id(r): len(r.data) for r in items}
-        codec_names = {id(r): self.codecs.encode(r) for r in items}
-        slab_files, other_files = plan_files(items, info.rank, self.save_id, self._bins,
-                                             slab_parts=self._slab_parts)
+        with gc_paused():  # per-item objects, none cyclic: collections here are pure cost
+            items = resolve_items(plan, planner, self.allow_pickle)
+            raw_lengths = {id(r): len(r.data) for r in items}
+            codec_names = {id(r): self.codecs.encode(r) for r in items}
+            slab_files, other_files = plan_files(items, info.rank, self.save_id, self._bins,
+                                                 slab_parts=self._slab_parts)
         files = slab_files + other_files
         prefix = self._rank_prefix(info.rank)
         if prefix is not None:
@@ -244,9 +246,10 @@ class CommittingWriter(StoreClient, StorageWriter):
                 sums = self._write_files(slab_files, other_files, pace)
             self.last_persist = PersistTiming(started, writing, time.monotonic() - clock,
                                               sum(fp.size for fp in files))
-            extents = build_extents(files, raw_lengths, codec_names, sums, prefix)
-            results = write_results(info.rank, info.world, self.save_id, extents,
-                                    self._put_table, prefix)
+            with gc_paused():
+                extents = build_extents(files, raw_lengths, codec_names, sums, prefix)
+                results = write_results(info.rank, info.world, self.save_id, extents,
+                                        self._put_table, prefix)
         except BaseException:
             self._remove_own_files(created)
             raise
@@ -322,7 +325,7 @@ class CommittingWriter(StoreClient, StorageWriter):
             raise CheckpointExistsError(self._exists_message() + " (it was committed while "
                                         "this save was running)")
         store.delete(tables)
-        stale = sorted(replaced - {e.file for e in extents.values()})
+        stale = sorted(replaced - extent_files(extents)) if replaced else []
         if stale:
             store.delete(stale)
             log.info("%s: removed %d data files of the checkpoint this commit replaced",

@@ -4,7 +4,7 @@ through extent tables stored beside the data."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import bind_checksum, checksum_bytes
 from dcp_plus.format.extent import identity_of
-from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
+from dcp_plus.format.extent_columns import encode_extent_table
+from dcp_plus.format.extent_set import ExtentSet
 from dcp_plus.format.record import Extent, dtype_name
 from dcp_plus.format.strict_json import check_text
 from dcp_plus.writers.layout import FilePlan
@@ -84,10 +85,11 @@ def write_results(rank: int, world: int, save_id: str,
 
 def collect_extents(results: list[list[WriteResult]], get_table: Callable[[str], bytes],
                     location: Callable[[str], str]
-                    ) -> tuple[dict[MetadataIndex, Extent], list[str]]:
-    """Every rank's extents (tables read back with ``get_table`` and checked) and the names of
-    the tables read."""
-    extents: dict[MetadataIndex, Extent] = {}
+                    ) -> tuple[Mapping[MetadataIndex, Extent], list[str]]:
+    """Every rank's extents (tables read back with ``get_table`` and checked; kept as columns,
+    an :class:`~dcp_plus.format.extent_set.ExtentSet`) and the names of the tables read."""
+    columns = ExtentSet()
+    rows: dict[MetadataIndex, Extent] = {}
     tables = []
     for rank_results in results:
         for wr in rank_results:
@@ -98,15 +100,19 @@ def collect_extents(results: list[list[WriteResult]], get_table: Callable[[str],
                 if checksum_bytes(data) != ref.checksum:
                     raise CheckpointFormatError(f"{where}: extent table does not match the "
                                                 "checksum its rank reported")
-                table = decode_extent_table(data, where)
-                if len(table) != ref.count:
-                    raise CheckpointFormatError(f"{where}: {len(table)} extents, its rank "
+                count = columns.add_table(data, where)
+                if count != ref.count:
+                    raise CheckpointFormatError(f"{where}: {count} extents, its rank "
                                                 f"reported {ref.count}")
-                extents.update(table)
                 tables.append(ref.name)
             else:
-                extents[wr.index] = ref
-    return extents, tables
+                rows[wr.index] = ref
+    if not tables:
+        return rows, tables
+    columns.check_unique(f"{location(tables[0])} and the other ranks' extent tables")
+    if rows:  # not written by dcp_plus ranks alike; never in one save
+        return {**columns, **rows}, tables
+    return columns, tables
 
 
 def table_prefixes(results: list[list[WriteResult]]) -> dict[str, str]:

@@ -185,3 +185,62 @@ def test_a_ranks_extent_table_round_trips_and_is_checked(rich):
     rec["extents"]["chunk"][1] = rec["extents"]["chunk"][0]
     with pytest.raises(CheckpointFormatError, match="two extents"):
         decode_extent_table(json.dumps(rec).encode(), "/c/__1.x.extents")
+
+
+def _two_rank_tables(extents: dict[Any, Any]) -> tuple[bytes, bytes]:
+    """``extents`` split by data file into two ranks' extent tables."""
+    from dcp_plus.format.extent_columns import encode_extent_table
+
+    files = sorted({e.file for e in extents.values()})
+    first = set(files[: len(files) // 2])
+    return (encode_extent_table({i: e for i, e in extents.items() if e.file in first}),
+            encode_extent_table({i: e for i, e in extents.items() if e.file not in first}))
+
+
+def test_the_coordinators_extent_columns_encode_the_same_record_as_rows(rich, monkeypatch):
+    from dcp_plus.format.extent_set import ExtentSet
+
+    monkeypatch.setattr(record_module, "COLUMNAR_MIN_ITEMS", 1)
+    md = decode_record(seal_record(rich[2]), "c")
+    a, b = _two_rank_tables(md.storage_data)
+    columns = ExtentSet()
+    assert columns.add_table(a, "a") + columns.add_table(b, "b") == len(md.storage_data)
+    columns.check_unique("c")
+    assert columns._rows is None  # nothing built per extent so far
+    record = encode_record(md, columns)
+    assert columns._rows is None
+    assert record == encode_record(md, dict(columns))
+    assert decode_record(record, "c").storage_data == md.storage_data
+
+
+def test_extent_tables_naming_one_file_or_one_item_twice_are_refused(rich):
+    from dcp_plus.format.extent_columns import encode_extent_table
+    from dcp_plus.format.extent_set import ExtentSet
+
+    extents = decode_record(seal_record(rich[2]), "c").storage_data
+    a, _ = _two_rank_tables(extents)
+    columns = ExtentSet()
+    columns.add_table(a, "/c/__0.x.extents")
+    with pytest.raises(CheckpointFormatError, match="__1.x.extents: data file .* another"):
+        columns.add_table(a, "/c/__1.x.extents")
+    index, ext = next(iter(extents.items()))
+    columns = ExtentSet()
+    columns.add_table(a, "/c/__0.x.extents")
+    columns.add_table(encode_extent_table({index: ext._replace(file="other")}), "/c/__1.x")
+    with pytest.raises(CheckpointFormatError, match=f"/c/tables: {index.fqn!r} .*two extents"):
+        columns.check_unique("/c/tables")
+
+
+def test_an_extent_tables_zero_offsets_are_a_count_and_a_bad_count_is_refused(rich):
+    from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
+
+    extents = decode_record(seal_record(rich[2]), "c").storage_data
+    data = encode_extent_table(extents)
+    rec = json.loads(data)
+    zero = [i for i, c in enumerate(rec["extents"]["chunk"]) if type(c) is int]
+    assert zero and all(not any(list(extents)[i].offset) for i in zero)
+    assert decode_extent_table(data, "t") == extents
+    for bad in (65, -1, True):
+        rec["extents"]["chunk"][zero[0]] = bad
+        with pytest.raises(CheckpointFormatError, match=f"'extents.chunk\\[{zero[0]}\\]'"):
+            decode_extent_table(json.dumps(rec).encode(), "/c/__1.x.extents")

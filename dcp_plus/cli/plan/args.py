@@ -48,7 +48,7 @@ _FLAGS = {"params": "--params", "bytes_per_param": "--bytes-per-param", "ranks":
           "peer_gbps": "--peer-gbps", "iteration_s": "--iteration-s",
           "weight_update_s": "--tw", "mtbf_s": "--mtbf-h", "overhead_budget": "--budget",
           "stage_hidden_fraction": "--stage-hidden", "restart_s": "--restart-s",
-          "interval_s": "--interval"}
+          "interval_s": "--interval", "tensors_per_rank": "--tensors-per-rank"}
 """The :class:`CapacityInputs` field behind each option."""
 
 _duration = _arg(parse_duration)
@@ -107,6 +107,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval", type=_duration, default=None, dest="interval_s", metavar="S",
                    help="also evaluate checkpointing every S of training (units allowed: "
                         "20min, 1h), next to the best interval")
+    p.add_argument("--tensors-per-rank", type=int, default=None, metavar="N",
+                   help="state-dict tensors each rank saves: adds the projected planning and "
+                        "commit time of a CachedSavePlanner save at --ranks (constants "
+                        "measured in docs/benchmarks.md) to the persist time")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dcp_plus.cli.plan.fixed_costs import FixedCosts, fixed_costs
 from dcp_plus.errors import DcpPlusError
 
 GB = 1e9
@@ -70,6 +71,10 @@ class CapacityInputs:
     blocks training)."""
     restart_s: float = 0.0
     """Fixed cost of a restart besides loading state: rescheduling, process start, init."""
+    tensors_per_rank: int | None = None
+    """State-dict tensors each rank saves: adds the projected planning and commit time of a
+    ``CachedSavePlanner`` save at ``ranks`` (:mod:`dcp_plus.cli.plan.fixed_costs`) to the
+    persist time. ``None``: bytes only."""
     interval_s: float | None = None
     """A chosen training time between checkpoints, to evaluate next to the optimum; rounded
     up to whole steps, never shorter than a checkpoint takes to persist."""
@@ -84,8 +89,10 @@ class CapacityInputs:
                 continue
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise _refuse(name, f"must be a positive number, got {value!r}")
-        for name in ("ranks", "gpus_per_node"):
+        for name in ("ranks", "gpus_per_node", "tensors_per_rank"):
             value = getattr(self, name)
+            if value is None and name == "tensors_per_rank":
+                continue
             if not (isinstance(value, int) and value >= 1):
                 raise _refuse(name, f"must be a positive integer, got {value!r}")
         sd = self.shard_degree
@@ -136,7 +143,16 @@ def nodes(x: CapacityInputs) -> int:
 
 
 def times(x: CapacityInputs) -> tuple[float, float]:
-    """(stage_s, persist_s): one rank's D2H copy, one copy of the state to storage."""
+    """(stage_s, persist_s): one rank's D2H copy, one copy of the state to storage (plus,
+    with ``tensors_per_rank``, the save's planning and commit)."""
     per_rank = x.params * x.bytes_per_param / (x.shard_degree or x.ranks)
     gbps = bound(x.storage_gbps, x, nodes(x))[0]
-    return per_rank / (x.d2h_gbps * GB), x.params * x.bytes_per_param / (gbps * GB)
+    persist = x.params * x.bytes_per_param / (gbps * GB)
+    fixed = fixed_costs_of(x)
+    return per_rank / (x.d2h_gbps * GB), persist + (0.0 if fixed is None else fixed.total_s)
+
+
+def fixed_costs_of(x: CapacityInputs) -> FixedCosts | None:
+    """The projected planning and commit time of a save of this job, if it says its
+    ``tensors_per_rank``."""
+    return None if x.tensors_per_rank is None else fixed_costs(x.ranks, x.tensors_per_rank)

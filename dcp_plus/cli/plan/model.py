@@ -16,7 +16,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dcp_plus.cli.plan.failures import best_interval_steps, expected_goodput, rollback_s
-from dcp_plus.cli.plan.inputs import GB, CapacityInputError, CapacityInputs, bound, nodes, times
+from dcp_plus.cli.plan.inputs import (
+    GB,
+    CapacityInputError,
+    CapacityInputs,
+    bound,
+    fixed_costs_of,
+    nodes,
+    times,
+)
 from dcp_plus.cli.plan.units import human_duration as _hd
 from dcp_plus.tiers.options import tier_copies
 
@@ -75,7 +83,12 @@ class CapacityPlan:
     persist_bound: str
     """Which bound binds for writes: ``storage`` or ``clients``."""
     persist_s: float
-    """Ts: writing one copy of the state to durable storage at ``persist_gbps``."""
+    """Ts: writing one copy of the state to durable storage at ``persist_gbps``, plus
+    ``planning_s`` and ``commit_s``."""
+    planning_s: float | None
+    """Projected planning time of one save (``inputs.tensors_per_rank`` given), else None."""
+    commit_s: float | None
+    """Projected commit time of one save (the coordinator's work and the result gather)."""
     load_gbps: float
     """Read bandwidth on restart: min(storage_read_gbps, nodes x client_gbps)."""
     load_bound: str
@@ -224,6 +237,7 @@ def plan_capacity(inputs: CapacityInputs) -> CapacityPlan:
     state = x.params * x.bytes_per_param
     per_rank = state / shard_degree
     stage_s, persist_s = times(x)
+    fixed = fixed_costs_of(x)
     if x.weight_update_s is None:
         exposed = stage_s * (1 - x.stage_hidden_fraction)
     else:
@@ -251,7 +265,8 @@ def plan_capacity(inputs: CapacityInputs) -> CapacityPlan:
         inputs=x, state_bytes=state, per_rank_state_bytes=per_rank,
         replicas=x.ranks // shard_degree, nodes=n, stage_s=stage_s,
         exposed_stage_s=exposed, persist_gbps=persist_gbps, persist_bound=persist_bound,
-        persist_s=persist_s, load_gbps=load_gbps, load_bound=load_bound, load_s=load_s,
+        persist_s=persist_s, planning_s=None if fixed is None else fixed.planning_s,
+        commit_s=None if fixed is None else fixed.commit_s, load_gbps=load_gbps, load_bound=load_bound, load_s=load_s,
         replicate_s=replicate_s, checkfreq_interval_steps=k,
         checkfreq_overhead_fraction=exposed / (k * ti),
         checkfreq_rollback_max_s=2 * k * ti, checkfreq_rollback_avg_s=k * ti,

@@ -29,6 +29,15 @@ def _table(modes: dict[str, ModePlan], best: dict[str, ModePlan] | None = None) 
     return lines
 
 
+def _fixed_line(plan: CapacityPlan) -> list[str]:
+    """The planning and commit time in the persist figure, with ``--tensors-per-rank``."""
+    if plan.planning_s is None or plan.commit_s is None:
+        return []
+    return [f"  of which fixed costs ({plan.inputs.tensors_per_rank:,} tensors per rank, "
+            f"CachedSavePlanner hit): planning {human_duration(plan.planning_s)} + commit "
+            f"{human_duration(plan.commit_s)} (measured constants, docs/benchmarks.md)"]
+
+
 def render_text(plan: CapacityPlan) -> str:
     """The report ``dcp-plus plan`` prints (decimal units, times rounded for reading)."""
     x = plan.inputs
@@ -48,6 +57,7 @@ def render_text(plan: CapacityPlan) -> str:
         f": {human_duration(plan.persist_s)}; load on restart: {human_duration(plan.load_s)}"
         + ("" if x.client_gbps is None else
            f" (at {_bandwidth(plan, plan.load_gbps, plan.load_bound, read)})"),
+        *_fixed_line(plan),
         f"CheckFreq interval for a {x.overhead_budget:.0%} budget: every "
         f"{plan.checkfreq_interval_steps} steps ({human_duration(every_s)}), "
         f"overhead {plan.checkfreq_overhead_fraction:.1%}",

@@ -1,0 +1,121 @@
+"""Every rank's extents as one set of columns: what the coordinator of a multi-rank save
+holds between reading the ranks' extent tables and writing the columnar commit record.
+
+A ``Mapping[MetadataIndex, Extent]`` like the others, but its rows (one ``MetadataIndex`` and
+one ``Extent`` each) are built only when a reader asks for them; the columnar record is
+encoded from the columns directly, so a save of ``ranks x tensors`` items builds no object
+per item on the coordinator (the row form built about nine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.format.extent import Extent
+from dcp_plus.format.extent_columns import (
+    LOCATION_COLUMNS,
+    chunk_key,
+    chunk_offsets,
+    decode_table_columns,
+    extents_of,
+)
+
+
+class ExtentSet(Mapping[MetadataIndex, Extent]):
+    """Extents of several extent tables, appended as columns (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.fqn: list[str] = []
+        self.chunk: list[list[int] | int | None] = []
+        """Offsets per extent: a list, the count of its zero offsets, or None (a value)."""
+        self.files: list[str] = []
+        self.prefixes: list[str | None] = []
+        self.codecs: list[str] = []
+        self.columns: dict[str, list[Any]] = {k: [] for k in LOCATION_COLUMNS}
+        self._file_pos: dict[str, int] = {}
+        self._codec_pos: dict[str, int] = {}
+        self._rows: dict[MetadataIndex, Extent] | None = None
+
+    def add_table(self, data: bytes, source: str) -> int:
+        """Append the extents of one rank's table (``source`` names it in errors); returns
+        how many it held.
+
+        Raises:
+            CheckpointFormatError: the table is damaged, or names a data file another table
+                named.
+        """
+        fqns, chunks, (files, prefixes, codecs, cols) = decode_table_columns(data, source)
+        base = len(self.files)
+        for name in files:
+            if self._file_pos.setdefault(name, len(self._file_pos)) < base:
+                raise CheckpointFormatError(f"{source}: data file {name!r} is in another "
+                                            "rank's extent table too")
+        self.files += files
+        self.prefixes += prefixes
+        codec_at = [self._codec_pos.setdefault(c, len(self._codec_pos)) for c in codecs]
+        self.codecs = list(self._codec_pos)
+        self.fqn += fqns
+        self.chunk += chunks
+        out = self.columns
+        out["file"] += map(base.__add__, cols["file"])
+        out["codec"] += map(codec_at.__getitem__, cols["codec"])
+        for k in ("offset", "length", "raw_length", "checksum", "value"):
+            out[k] += cols[k]
+        self._rows = None
+        return len(fqns)
+
+    def check_unique(self, source: str) -> None:
+        """Raise ``CheckpointFormatError`` (naming ``source``) if an item has two extents."""
+        keys = set(zip(self.fqn, map(chunk_key, self.chunk), strict=True))
+        if len(keys) != len(self.fqn):
+            seen: set[tuple[str, Any]] = set()
+            for fqn, chunk in zip(self.fqn, self.chunk, strict=True):
+                if (fqn, chunk_key(chunk)) in seen:
+                    raise CheckpointFormatError(f"{source}: {fqn!r} (chunk "
+                                                f"{chunk_offsets(chunk)}) has two extents")
+                seen.add((fqn, chunk_key(chunk)))
+
+    def locations(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+        """``(tables, columns)`` as :func:`~dcp_plus.format.extent_columns.encode_locations`
+        gives them for these extents (files and codecs in order of first use)."""
+        tables: dict[str, Any] = {"files": list(self.files)}
+        if any(self.prefixes):
+            tables["prefixes"] = list(self.prefixes)
+        tables["codecs"] = list(self.codecs)
+        cols = dict(self.columns)
+        if not any(cols["value"]):
+            del cols["value"]
+        return tables, cols
+
+    def file_names(self) -> set[str]:
+        return set(self.files)
+
+    def _table(self) -> dict[MetadataIndex, Extent]:
+        if self._rows is None:
+            locations = (self.files, self.prefixes, self.codecs, self.columns)
+            self._rows = dict(zip(map(MetadataIndex, self.fqn, map(chunk_offsets, self.chunk)),
+                                  extents_of(locations), strict=True))
+        return self._rows
+
+    def __getitem__(self, index: MetadataIndex) -> Extent:
+        return self._table()[index]
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self.fqn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_rows": None}
+
+
+def extent_files(extents: Mapping[MetadataIndex, Extent]) -> set[str]:
+    """The data files ``extents`` name."""
+    if isinstance(extents, ExtentSet):
+        return extents.file_names()
+    return {e.file for e in extents.values()}
