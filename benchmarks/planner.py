@@ -222,14 +222,22 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
     return out
 
 
-def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """One configuration in one gloo world: per planner and save, the slowest rank's figures."""
+def run_world(cfg: dict[str, Any], worker: Any, timeout: float
+              ) -> tuple[list[Any], float, float, ForeignCpu]:
+    """``worker(rank, cfg, root)`` on ``cfg["ranks"]`` gloo ranks in a temporary root: each
+    rank's result, the wall time, the load before, and the CPU other processes took."""
     with tempfile.TemporaryDirectory(dir=cfg.get("dir")) as root:
         load_before = load1()
         t0 = time.perf_counter()
         with ForeignCpu() as fc:
-            per_rank = run_ranks(cfg["ranks"], _worker, cfg, root, timeout=1800)
+            per_rank = run_ranks(cfg["ranks"], worker, cfg, root, timeout=timeout)
         wall = time.perf_counter() - t0
+    return per_rank, wall, load_before, fc
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """One configuration in one gloo world: per planner and save, the slowest rank's figures."""
+    per_rank, wall, load_before, fc = run_world(cfg, _worker, timeout=1800)
     merged: dict[str, list[dict[str, Any]]] = {}
     for name in cfg["planners"]:
         merged[name] = []
@@ -376,6 +384,17 @@ def report(configs: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def add_run_outputs(parser: argparse.ArgumentParser, profiled: str) -> None:
+    """``--dir``, ``--profile`` (of ``profiled``), ``--json`` and ``--report``."""
+    parser.add_argument("--dir", help="parent of the temporary checkpoint directories")
+    parser.add_argument("--profile", metavar="DIR",
+                        help=f"cProfile {profiled} into DIR (the timings of such a run are "
+                             "not representative)")
+    parser.add_argument("--json", help="write the raw figures of this run to this file")
+    parser.add_argument("--report", nargs="+", metavar="JSON",
+                        help="only print the tables of earlier runs' JSON files")
+
+
 def load_configs(paths: list[str]) -> list[dict[str, Any]]:
     """The configurations of earlier runs' ``--json`` files, in order."""
     configs: list[dict[str, Any]] = []
@@ -401,13 +420,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="bind rank r to CPU r %% cpus (see the module docstring)")
     parser.add_argument("--quick", action="store_true",
                         help="2 ranks x 3,000 mixed DTensors, 4 saves")
-    parser.add_argument("--dir", help="parent of the temporary checkpoint directories")
-    parser.add_argument("--profile", metavar="DIR",
-                        help="cProfile CachedSavePlanner's saves 2..N per rank into DIR "
-                             "(the timings of such a run are not representative)")
-    parser.add_argument("--json", help="write the raw figures of this run to this file")
-    parser.add_argument("--report", nargs="+", metavar="JSON",
-                        help="only print the tables of earlier runs' JSON files")
+    add_run_outputs(parser, "CachedSavePlanner's saves 2..N per rank")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.report:

@@ -39,7 +39,6 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -48,13 +47,18 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from benchmarks.planner import load_configs, make_planner, state_dict
+from benchmarks.planner import (
+    add_run_outputs,
+    load_configs,
+    make_planner,
+    run_world,
+    state_dict,
+)
 from benchmarks.scaling_memory import held_by, measure_save
 from benchmarks.scaling_model import DEFAULT_NET, Net, report
-from dcp_plus.cli.bench.machine import ForeignCpu, load1, machine
+from dcp_plus.cli.bench.machine import load1, machine
 from dcp_plus.writers import LocalWriter
 from tools.testkit.collectives import CollectiveBytes, save_phases
-from tools.testkit.world import run_ranks
 
 log = logging.getLogger("benchmarks.scaling")
 
@@ -134,12 +138,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any], root: str) -> dict[str, 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """One rank count in one gloo world: per planner and save, the merged figures."""
-    with tempfile.TemporaryDirectory(dir=cfg.get("dir")) as root:
-        load_before = load1()
-        t0 = time.perf_counter()
-        with ForeignCpu() as fc:
-            per_rank = run_ranks(cfg["ranks"], _worker, cfg, root, timeout=3600)
-        wall = time.perf_counter() - t0
+    per_rank, wall, load_before, fc = run_world(cfg, _worker, timeout=3600)
     world = cfg["ranks"]
     results: dict[str, Any] = {}
     for name in cfg["planners"]:
@@ -180,13 +179,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="projection: the coordinator's cost per message it handles")
     parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_NET.bandwidth_gbs,
                         help="projection: the coordinator's link, GB/s")
-    parser.add_argument("--dir", help="parent of the temporary checkpoint directories")
-    parser.add_argument("--profile", metavar="DIR",
-                        help="cProfile the coordinator's CachedSavePlanner saves 2..N into DIR "
-                             "(their timings are then not representative)")
-    parser.add_argument("--json", help="write the raw figures to this file")
-    parser.add_argument("--report", metavar="JSON", nargs="+",
-                        help="only render earlier runs' JSON (rank counts of several runs)")
+    add_run_outputs(parser, "the coordinator's CachedSavePlanner saves 2..N")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     net = Net(args.latency_us, args.per_message_us, args.bandwidth_gbs)
