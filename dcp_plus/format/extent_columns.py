@@ -97,12 +97,6 @@ def check_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> Locati
                                      "value": values}
 
 
-def decode_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> list[Extent]:
-    """The extents the location columns of table ``ex`` (and the tables of ``root``)
-    describe, every field checked."""
-    return list(extents_of(check_locations(p, root, ex)))
-
-
 def extents_of(locations: Locations) -> Iterator[Extent]:
     """One ``Extent`` per row of checked location columns."""
     files, prefixes, codecs, c = locations

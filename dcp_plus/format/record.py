@@ -17,10 +17,8 @@ Either way the whole record is validated before any data is read
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -31,6 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from dcp_plus._gc import gc_paused
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.extent import Extent, extent_identity
@@ -54,7 +53,7 @@ from dcp_plus.format.strict_json import loads_strict
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_RECORD_BYTES", "RECORD_NAME", "Extent",
            "decode_extent_table", "decode_record", "dtype_name", "encode_extent_table",
-           "encode_record", "extent_identity", "gc_paused", "seal"]
+           "encode_record", "extent_identity", "seal"]
 
 FORMAT_NAME = "dcp_plus"
 FORMAT_VERSION = 2
@@ -69,20 +68,6 @@ READABLE_VERSIONS = (1, 2, 3, 4)
 RECORD_NAME = ".metadata"
 
 _TRAILER = re.compile(rb',"record_checksum":"([^"]{0,64})"\}\s*\Z')
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a record's millions of acyclic objects are built
-    (the collections it would trigger take half of a 100,000-tensor decode's time), or while
-    a writer builds its per-item bookkeeping."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -215,7 +200,7 @@ def _decode_record(data: bytes, source: str) -> Metadata:
         sd_md = {p.text(fqn, f"items[{fqn[:80]!r}]"): decode_item(p, fqn, item)
                  for fqn, item in p.get(root, "items", dict, "").items()}
         storage, rows = decode_extents(p, p.get(root, "extents", list, ""), sd_md, version)
-    check_extents_match_items(sd_md, storage, rows, p.fail)
+        check_extents_match_items(sd_md, storage, rows, p.fail)
     check_no_aliasing(storage, p.fail)
     check_prefixes(storage, rows, version >= PREFIXED_VERSION, p.fail)
     planner_data = decode_planner_data(p, root, list(sd_md) if version == COLUMNAR_VERSION

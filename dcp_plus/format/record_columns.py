@@ -40,13 +40,15 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import BOUND_ALGORITHM
+from dcp_plus.format.column_checks import check_extent_columns
 from dcp_plus.format.columns import Columns
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.extent_columns import (
     LOCATION_COLUMNS,
+    check_locations,
     chunk_key,
-    decode_locations,
     encode_locations,
+    extents_of,
 )
 from dcp_plus.format.extent_set import ExtentSet
 from dcp_plus.format.record_checks import INT64_MAX, STORED_DTYPES, check_tiling
@@ -152,8 +154,9 @@ def _chunk_at(md: TensorStorageMetadata, offset: tuple[int, ...] | None
 # ------------------------------------------------------------------------------------ decode
 
 def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
-    """``(items, extents, rows)`` of a version-4 record, every field checked; the rules of
-    :mod:`~dcp_plus.format.record_checks` are the caller's."""
+    """``(items, extents, rows)`` of a version-4 record, every field checked and its extents
+    matched to its items; the other rules of :mod:`~dcp_plus.format.record_checks` are the
+    caller's."""
     it = Columns(p, p.get(root, "items", dict, ""), "items", _ITEM_COLUMNS)
     fqns = it.texts("fqn")
     if len(set(fqns)) != len(fqns):
@@ -202,7 +205,8 @@ def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
                  if (o is None) != (s is None))
         raise p.fail(f"extents[{r}]", "offsets and sizes are both lists or both null")
     _check_chunks_fit(p, item, offsets, chunk_sizes, sizes, explicit)
-    extents = decode_locations(p, root, ex)
+    locations = check_locations(p, root, ex)
+    extents = list(extents_of(locations))
     shapes = [None if s is None else torch.Size(s) for s in sizes]
     chunks = _chunks(item, offsets, chunk_sizes, sizes, shapes, not explicit)
     sd_md = _items(p, fqns, props, shapes, item, chunks)
@@ -214,7 +218,9 @@ def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
         r = next(r for r, index in enumerate(indexes) if first.setdefault(index, r) != r)
         raise p.fail(f"extents[{r}]", f"a second extent for the same item as "
                                       f"extents[{first[indexes[r]]}]")
-    return sd_md, storage, _Rows(indexes)
+    rows = _Rows(indexes)
+    check_extent_columns(item, chunks, props, locations, sd_md, storage, rows, p.fail)
+    return sd_md, storage, rows
 
 
 class _Rows(Mapping[MetadataIndex, int]):

@@ -23,12 +23,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from dcp_plus._gc import gc_paused
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError, DcpPlusError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
 from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_data_file
-from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record, gc_paused
+from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.placement import Placed

@@ -144,6 +144,14 @@ CASES = {
                        "'extents.ghost'"),
     "bad_prefix": (lambda r: _edit(r, "prefixes", value=["../x"] * len(r["files"])),
                    "'prefixes[0]'"),
+    # found by the column check, named by the shared row walk
+    "raw_length_not_the_chunks": (lambda r: _edit(
+        r, "extents", "raw_length", _tensor_row(r, "w"),
+        value=r["extents"]["raw_length"][_tensor_row(r, "w")] + 4), "bytes, but chunk"),
+    "tensor_with_a_value_kind": (lambda r: _edit(
+        r, "extents", "value", value=[None] * _tensor_row(r, "w") + ["bytesio"] + [None] * (
+            len(r["extents"]["item"]) - _tensor_row(r, "w") - 1)),
+        "tensor extents have no value kind"),
 }
 
 
