@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
+
+if TYPE_CHECKING:
+    from dcp_plus.format.parts import Part
 
 BYTESIO = "bytesio"
 """``Extent.value`` of an ``io.BytesIO`` state-dict value stored as its raw bytes."""
@@ -19,6 +22,13 @@ class Extent(NamedTuple):
     ``value`` says how a non-tensor item's bytes are read back: ``None`` for
     ``torch.save`` bytes (loaded with ``weights_only=True``), :data:`BYTESIO` for the raw
     contents of an ``io.BytesIO``.
+
+    Incremental checkpoints add two fields. ``parts`` (codec ``"chunked"``): the extent is
+    stored as :class:`~dcp_plus.format.parts.Part` pieces, some in this checkpoint (within
+    ``file`` at ``offset``, ``length`` bytes covering them), some referenced in sibling
+    checkpoints; its checksum binds the parts' table. ``base``: the whole extent is the one
+    the sibling checkpoint of that name recorded (every other field is as that record has
+    it, and its own parts are that checkpoint's).
     """
 
     file: str
@@ -29,6 +39,8 @@ class Extent(NamedTuple):
     checksum: str
     value: str | None = None
     prefix: str | None = None
+    base: str | None = None
+    parts: tuple[Part, ...] | None = None
 
 
 def identity_of(fqn: str, chunk: tuple[int, ...] | list[int] | None, dtype_name: str | None,

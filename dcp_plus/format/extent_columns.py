@@ -8,6 +8,7 @@ Fields (``m`` extents)::
     "codecs": [str]
     columns: "file": [int], "offset": [int], "length": [int], "raw_length": [int],
              "codec": [int], "checksum": [str], "value": [str | null]   # value optional
+             "base": [str | null], "parts": [[part] | null]   # optional (version 5)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.columns import Columns
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.key_prefix import prefix_problem
+from dcp_plus.format.parts import CHUNKED, parse_parts, part_json, sibling_problem
 from dcp_plus.format.record_checks import INT64_MAX, MAX_DIMS
 from dcp_plus.format.record_fields import FieldParser
 from dcp_plus.format.strict_json import loads_strict
@@ -34,9 +36,19 @@ EXTENT_TABLE_VERSION = 5
 """Columnar since 4, zero offsets as their count since 5; a table is written and read within
 one save, by one dcp_plus."""
 
-LOCATION_COLUMNS = ("file", "offset", "length", "raw_length", "codec", "checksum", "value")
+LOCATION_COLUMNS = ("file", "offset", "length", "raw_length", "codec", "checksum", "value",
+                    "base", "parts")
+OPTIONAL_COLUMNS = ("value", "base", "parts")
+"""Location columns left out when every entry is null."""
 _CHECKSUMS = re.compile(rf"(?:{BOUND_ALGORITHM}:[0-9a-f]{{16}})*")
 _CHECKSUM_CHARS = len(BOUND_ALGORITHM) + 17
+
+
+def drop_empty(cols: dict[str, list[Any]]) -> None:
+    """Leave out the optional columns that hold nulls only."""
+    for name in OPTIONAL_COLUMNS:
+        if not any(x is not None for x in cols[name]):
+            del cols[name]
 
 
 def encode_locations(extents: Iterable[Extent]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
@@ -50,7 +62,7 @@ def encode_locations(extents: Iterable[Extent]) -> tuple[dict[str, Any], dict[st
     codecs: dict[str, int] = {}
     prefixes: list[str | None] = []
     cols: dict[str, list[Any]] = {k: [] for k in LOCATION_COLUMNS}
-    file, offset, length, raw, codec, checksum, value = cols.values()
+    file, offset, length, raw, codec, checksum, value, base, parts = cols.values()
     for ext in extents:
         f = files.setdefault(ext.file, len(files))
         if f == len(prefixes):
@@ -64,8 +76,9 @@ def encode_locations(extents: Iterable[Extent]) -> tuple[dict[str, Any], dict[st
         codec.append(codecs.setdefault(ext.codec, len(codecs)))
         checksum.append(ext.checksum)
         value.append(ext.value)
-    if not any(value):
-        del cols["value"]
+        base.append(ext.base)
+        parts.append(None if ext.parts is None else [part_json(p) for p in ext.parts])
+    drop_empty(cols)
     tables: dict[str, Any] = {"files": list(files)}
     if any(prefixes):
         tables["prefixes"] = prefixes
@@ -92,9 +105,16 @@ def check_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> Locati
         raise ex.bad("checksum", checksums, lambda c: type(c) is str and _CHECKSUMS.fullmatch(c)
                      is not None and len(c) == _CHECKSUM_CHARS, "a version-4 extent checksum")
     values = ex.texts("value", nullable=True, optional=True)
+    bases = ex.texts("base", nullable=True, optional=True)
+    for i, b in enumerate(bases):
+        if b is not None and sibling_problem(b) is not None:
+            raise p.fail(f"{ex.where}.base[{i}]", str(sibling_problem(b)))
+    parts = [None if v is None else parse_parts(v, p.fail, f"{ex.where}.parts[{i}]",
+                                                p.relative_path)
+             for i, v in enumerate(ex.column("parts", optional=True))]
     return files, prefixes, codecs, {"file": file, "offset": offset, "length": length,
                                      "raw_length": raw, "codec": codec, "checksum": checksums,
-                                     "value": values}
+                                     "value": values, "base": bases, "parts": parts}
 
 
 def extents_of(locations: Locations) -> Iterator[Extent]:
@@ -102,7 +122,7 @@ def extents_of(locations: Locations) -> Iterator[Extent]:
     files, prefixes, codecs, c = locations
     return map(Extent, map(files.__getitem__, c["file"]), c["offset"], c["length"],
                c["raw_length"], map(codecs.__getitem__, c["codec"]), c["checksum"], c["value"],
-               map(prefixes.__getitem__, c["file"]))
+               map(prefixes.__getitem__, c["file"]), c["base"], c["parts"])
 
 
 def _tables(p: FieldParser, root: dict[str, Any]) -> tuple[list[str], list[Any], list[str]]:
@@ -123,7 +143,7 @@ def _tables(p: FieldParser, root: dict[str, Any]) -> tuple[list[str], list[Any],
                                            "the checkpoint")
     codecs = p.get(root, "codecs", list, "")
     for i, c in enumerate(codecs):
-        if type(c) is not str or not known_codec(c):
+        if type(c) is not str or not (known_codec(c) or c == CHUNKED):
             raise p.fail(f"codecs[{i}]", f"unknown codec {str(c)[:80]!r}")
     return files, prefixes, codecs
 

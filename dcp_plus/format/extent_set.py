@@ -21,8 +21,10 @@ from dcp_plus.format.extent_columns import (
     chunk_key,
     chunk_offsets,
     decode_table_columns,
+    drop_empty,
     extents_of,
 )
+from dcp_plus.format.parts import part_json, references
 
 
 class ExtentSet(Mapping[MetadataIndex, Extent]):
@@ -63,7 +65,7 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
         out = self.columns
         out["file"] += map(base.__add__, cols["file"])
         out["codec"] += map(codec_at.__getitem__, cols["codec"])
-        for k in ("offset", "length", "raw_length", "checksum", "value"):
+        for k in ("offset", "length", "raw_length", "checksum", "value", "base", "parts"):
             out[k] += cols[k]
         self._rows = None
         return len(fqns)
@@ -87,8 +89,10 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
             tables["prefixes"] = list(self.prefixes)
         tables["codecs"] = list(self.codecs)
         cols = dict(self.columns)
-        if not any(cols["value"]):
-            del cols["value"]
+        if cols["parts"]:  # decoded parts back to their JSON
+            cols["parts"] = [None if ps is None else [part_json(p) for p in ps]
+                             for ps in cols["parts"]]
+        drop_empty(cols)
         return tables, cols
 
     def file_names(self) -> set[str]:
@@ -119,3 +123,20 @@ def extent_files(extents: Mapping[MetadataIndex, Extent]) -> set[str]:
     if isinstance(extents, ExtentSet):
         return extents.file_names()
     return {e.file for e in extents.values()}
+
+
+def bases_of(extents: Mapping[MetadataIndex, Extent]) -> list[str] | None:
+    """The sibling checkpoints ``extents`` reference, sorted; None when no extent is chunked
+    or a reference (the record is then no incremental one)."""
+    if isinstance(extents, ExtentSet):
+        bases, parts = extents.columns["base"], extents.columns["parts"]
+    else:
+        bases = [e.base for e in extents.values()]
+        parts = [e.parts for e in extents.values()]
+    if not any(b is not None for b in bases) and not any(p is not None for p in parts):
+        return None
+    names = {b for b in bases if b is not None}
+    for ps in parts:
+        if ps is not None:
+            names |= references(ps)
+    return sorted(names)

@@ -11,6 +11,10 @@ prefix (``"prefix"``: :mod:`dcp_plus.format.key_prefix`); a record is written as
 only when one does, so that older readers refuse it clearly. Version 4 is columnar
 (:mod:`dcp_plus.format.record_columns`), written for records of :data:`COLUMNAR_MIN_ITEMS`
 items or more: a record of 100,000 tensors is 10 MB instead of 34 and decodes ~4x faster.
+Version 5 is an incremental checkpoint's record, in either form (``"layout"``: ``"rows"`` or
+``"columns"``): its extents may be stored as parts and may reference sibling checkpoints
+(:mod:`dcp_plus.format.parts`), and ``"bases"`` lists every checkpoint it references, so
+that retention keeps them (derived from records alone).
 Either way the whole record is validated before any data is read
 (:mod:`dcp_plus.format.record_checks`).
 """
@@ -34,12 +38,15 @@ from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.extent import Extent, extent_identity
 from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
+from dcp_plus.format.extent_set import bases_of
 from dcp_plus.format.layout import MAX_RECORD_BYTES
+from dcp_plus.format.parts import part_json, sibling_problem
 from dcp_plus.format.planner_data import decode_planner_data, encode_planner_data, planner_paths
 from dcp_plus.format.record_checks import (
     check_extents_match_items,
     check_no_aliasing,
     check_prefixes,
+    check_references,
 )
 from dcp_plus.format.record_columns import decode_columns, encode_columns
 from dcp_plus.format.record_fields import (
@@ -61,10 +68,12 @@ PREFIXED_VERSION = 3
 """The version of a record whose data objects lie under key prefixes."""
 COLUMNAR_VERSION = 4
 """The version of a columnar record (:mod:`dcp_plus.format.record_columns`)."""
+INCREMENTAL_VERSION = 5
+"""The version of a record whose extents have parts or reference other checkpoints."""
 COLUMNAR_MIN_ITEMS = 1000
 """Records of this many items or more are written columnar: smaller ones keep the row form
 that every earlier reader reads (and that is easier to read by eye)."""
-READABLE_VERSIONS = (1, 2, 3, 4)
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 RECORD_NAME = ".metadata"
 
 _TRAILER = re.compile(rb',"record_checksum":"([^"]{0,64})"\}\s*\Z')
@@ -93,10 +102,11 @@ def _encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) 
 
     columnar = len(metadata.state_dict_metadata) >= COLUMNAR_MIN_ITEMS
     sm = metadata.storage_meta
+    bases = bases_of(extents)
     record: dict[str, Any] = {
         "format": FORMAT_NAME,
-        "version": COLUMNAR_VERSION if columnar else PREFIXED_VERSION
-        if any(e.prefix for e in extents.values()) else FORMAT_VERSION,
+        "version": INCREMENTAL_VERSION if bases is not None else COLUMNAR_VERSION if columnar
+        else PREFIXED_VERSION if any(e.prefix for e in extents.values()) else FORMAT_VERSION,
         "dcp_version": metadata.version,
         "storage_meta": None
         if sm is None
@@ -104,6 +114,9 @@ def _encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) 
               "save_id": sm.save_id, "modules": list(sm.modules)},
         "planner_data": encode_planner_data(metadata.planner_data),
     }
+    if bases is not None:
+        record["layout"] = "columns" if columnar else "rows"
+        record["bases"] = bases
     if columnar:
         record.update(encode_columns(metadata, extents, dtype_name))
         paths = planner_paths(metadata.planner_data, record["items"]["fqn"])
@@ -145,6 +158,12 @@ def encode_extents(extents: Mapping[MetadataIndex, Extent]) -> list[dict[str, An
             del row["value"]
         if ext.prefix is None:
             del row["prefix"]
+        if ext.base is None:
+            del row["base"]
+        if ext.parts is None:
+            del row["parts"]
+        else:
+            row["parts"] = [part_json(p) for p in ext.parts]
         rows.append(row)
     return rows
 
@@ -194,7 +213,9 @@ def _decode_record(data: bytes, source: str) -> Metadata:
         raise p.fail("record_checksum", "a version-2 record ends with its record_checksum"
                      if version >= 2 else "version-1 records have none")
 
-    if version == COLUMNAR_VERSION:
+    bases = _bases(p, root) if version == INCREMENTAL_VERSION else None
+    columnar = version == COLUMNAR_VERSION or (bases is not None and _columnar(p, root))
+    if columnar:
         sd_md, storage, rows = decode_columns(p, root)
     else:
         sd_md = {p.text(fqn, f"items[{fqn[:80]!r}]"): decode_item(p, fqn, item)
@@ -203,8 +224,27 @@ def _decode_record(data: bytes, source: str) -> Metadata:
         check_extents_match_items(sd_md, storage, rows, p.fail)
     check_no_aliasing(storage, p.fail)
     check_prefixes(storage, rows, version >= PREFIXED_VERSION, p.fail)
-    planner_data = decode_planner_data(p, root, list(sd_md) if version == COLUMNAR_VERSION
-                                       else None)
+    check_references(storage, rows, bases, p.fail)
+    planner_data = decode_planner_data(p, root, list(sd_md) if columnar else None)
     return Metadata(state_dict_metadata=sd_md, planner_data=planner_data,
                     storage_data=storage, storage_meta=decode_storage_meta(p, root),
                     version=decode_dcp_version(p, root))
+
+
+def _columnar(p: FieldParser, root: dict[str, Any]) -> bool:
+    layout = p.get(root, "layout", str, "")
+    if layout not in ("rows", "columns"):
+        raise p.fail("layout", f"expected 'rows' or 'columns', got {layout[:80]!r}")
+    return layout == "columns"
+
+
+def _bases(p: FieldParser, root: dict[str, Any]) -> list[str]:
+    """A version-5 record's ``bases``: sibling checkpoint names, each listed once."""
+    bases = p.get(root, "bases", list, "")
+    for i, name in enumerate(bases):
+        problem = sibling_problem(name)
+        if problem is not None:
+            raise p.fail(f"bases[{i}]", problem)
+    if len(set(bases)) != len(bases):
+        raise p.fail("bases", "a checkpoint is listed twice")
+    return bases

@@ -22,8 +22,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.extent import BYTESIO, Extent
+from dcp_plus.format.parts import CHUNKED, own_span, references
+from dcp_plus.format.parts import INT64_MAX as INT64_MAX  # the bound every format module uses
 
-INT64_MAX = (1 << 63) - 1
 MAX_DIMS = 64
 
 _STORED = [
@@ -203,10 +204,10 @@ def _check_every_item_stored(items: Mapping[str, TensorStorageMetadata | BytesSt
 def check_no_aliasing(extents: Mapping[MetadataIndex, Extent], fail: Fail) -> None:
     """No two non-empty extents share a byte of a data file: a writer never stores two items
     in one place (``extents`` in record order)."""
-    by_file: dict[str, list[Extent]] = {}
+    by_file: dict[tuple[str | None, str], list[Extent]] = {}
     for ext in extents.values():
         if ext.length:
-            by_file.setdefault(ext.file, []).append(ext)
+            by_file.setdefault((ext.base, ext.file), []).append(ext)
     for spans in by_file.values():
         starts = [e.offset for e in spans]
         ends = [e.offset + e.length for e in spans]
@@ -219,11 +220,12 @@ def check_no_aliasing(extents: Mapping[MetadataIndex, Extent], fail: Fail) -> No
 
 def _first_alias(extents: Mapping[MetadataIndex, Extent], fail: Fail) -> None:
     """Raise naming the first two extents that share bytes, in (file, offset) order."""
-    by_file: dict[str, list[tuple[int, int, int, str]]] = {}
+    by_file: dict[tuple[str | None, str], list[tuple[int, int, int, str]]] = {}
     for row, (index, ext) in enumerate(extents.items()):
         if ext.length:
-            by_file.setdefault(ext.file, []).append((ext.offset, ext.length, row, index.fqn))
-    for name, spans in by_file.items():
+            by_file.setdefault((ext.base, ext.file), []).append((ext.offset, ext.length, row,
+                                                                 index.fqn))
+    for (_, name), spans in by_file.items():
         spans.sort()
         end, prev, prev_fqn = -1, -1, ""
         for offset, length, row, fqn in spans:
@@ -238,10 +240,47 @@ def check_prefixes(extents: Mapping[MetadataIndex, Extent], rows: Mapping[Metada
                    allowed: bool, fail: Fail) -> None:
     """Key prefixes only where the record's version has them, and one per data file (each
     prefix itself was validated with its row)."""
-    prefix_of: dict[str, str | None] = {}
+    prefix_of: dict[tuple[str | None, str], str | None] = {}
     for index, ext in extents.items():
         if ext.prefix is not None and not allowed:
             raise fail(f"extents[{rows[index]}].prefix", "key prefixes need a version-3 record")
-        if prefix_of.setdefault(ext.file, ext.prefix) != ext.prefix:
+        key = (ext.base, ext.file)
+        if prefix_of.setdefault(key, ext.prefix) != ext.prefix:
             raise fail(f"extents[{rows[index]}].prefix",
-                       f"{ext.file!r} is also recorded under key prefix {prefix_of[ext.file]!r}")
+                       f"{ext.file!r} is also recorded under key prefix {prefix_of[key]!r}")
+
+
+def check_references(extents: Mapping[MetadataIndex, Extent], rows: Mapping[MetadataIndex, int],
+                     bases: list[str] | None, fail: Fail) -> None:
+    """Chunked extents and references to sibling checkpoints only in a record that lists its
+    ``bases`` (version 5; None: an older one), each one consistent: a chunked extent's parts
+    hold its raw bytes, its own parts lie in its ``file`` span, and every checkpoint it or a
+    reference names is one of the record's ``bases``."""
+    listed = set(bases or ())
+    for index, ext in extents.items():
+        if ext.parts is None and ext.base is None and ext.codec != CHUNKED:
+            continue
+        where = f"extents[{rows[index]}]"
+        if bases is None:
+            raise fail(where, "parts and base references need a version-5 record")
+        named = references(ext.parts or ()) | ({ext.base} if ext.base else set())
+        if named - listed:
+            raise fail(where, f"names checkpoint {sorted(named - listed)[0]!r}, which is not "
+                              "one of the record's bases")
+        if ext.parts is None:
+            if ext.codec == CHUNKED:
+                raise fail(f"{where}.codec", f"a {CHUNKED} extent without parts")
+            continue
+        if ext.codec != CHUNKED or ext.value is not None:
+            raise fail(where, f"an extent with parts has codec {CHUNKED!r} and no value kind")
+        total = sum(p.raw for p in ext.parts)
+        if total != ext.raw_length:
+            raise fail(f"{where}.parts", f"the parts hold {total} bytes, the extent "
+                                         f"{ext.raw_length}")
+        try:
+            span = own_span(ext.parts)
+        except ValueError as e:
+            raise fail(f"{where}.parts", str(e)) from None
+        if span != (ext.file, ext.offset, ext.length):
+            raise fail(where, "file, offset and length are not the span of the parts it "
+                              f"stores itself ({span})")

@@ -27,13 +27,14 @@ from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.key_prefix import prefix_problem
 from dcp_plus.format.layout import is_data_file
+from dcp_plus.format.parts import CHUNKED, parse_parts, sibling_problem
 from dcp_plus.format.record_checks import INT64_MAX, MAX_DIMS, STORED_DTYPES, check_tiling
 from dcp_plus.format.strict_json import check_text
 
 MAX_NAME_CHARS = 1 << 16
 _CHECKSUM = {1: re.compile(rf"^{ALGORITHM}:[0-9a-f]{{16}}$"),
              2: re.compile(rf"^{BOUND_ALGORITHM}:[0-9a-f]{{16}}$")}
-_CHECKSUM[3] = _CHECKSUM[2]
+_CHECKSUM[3] = _CHECKSUM[5] = _CHECKSUM[2]
 
 
 class FieldParser:
@@ -200,6 +201,11 @@ def decode_extents(p: FieldParser, rows: list[Any],
         if prefix is not None and prefix_problem(prefix) is not None:
             raise p.fail(f"{where}.prefix", f"{prefix_problem(prefix)}: it could point "
                                             "outside the checkpoint")
+        base = p.get(entry, "base", str, where) if "base" in entry else None
+        if base is not None and sibling_problem(base) is not None:
+            raise p.fail(f"{where}.base", str(sibling_problem(base)))
+        parts = parse_parts(entry["parts"], p.fail, f"{where}.parts", p.relative_path) \
+            if "parts" in entry else None
         ext = Extent(
             file=p.relative_path(p.get(entry, "file", str, where), f"{where}.file"),
             offset=p.get(entry, "offset", int, where),
@@ -209,12 +215,14 @@ def decode_extents(p: FieldParser, rows: list[Any],
             checksum=p.get(entry, "checksum", str, where),
             value=value,
             prefix=prefix,
+            base=base,
+            parts=parts,
         )
         if min(ext.offset, ext.length, ext.raw_length) < 0:
             raise p.fail(where, "negative offset or length")
         if ext.offset + ext.length > INT64_MAX:
             raise p.fail(where, "extent ends beyond the int64 range")
-        if not known_codec(ext.codec):
+        if not known_codec(ext.codec) and ext.codec != CHUNKED:
             raise p.fail(f"{where}.codec", f"unknown codec {ext.codec!r}")
         if not _CHECKSUM[version].match(ext.checksum):
             raise p.fail(f"{where}.checksum", f"{ext.checksum[:80]!r} is not a version-{version}"
@@ -238,6 +246,8 @@ def _fast_row(entry: Any, checksum: re.Pattern[str]) -> tuple[MetadataIndex, Ext
             entry["fqn"], entry["chunk"], entry["file"], entry["offset"], entry["length"],
             entry["raw_length"], entry["codec"], entry["checksum"])
     except KeyError:
+        return None
+    if "parts" in entry or "base" in entry:  # references: parsed field by field
         return None
     value, prefix = entry.get("value"), entry.get("prefix")
     if prefix is not None and (type(prefix) is not str or prefix_problem(prefix) is not None):

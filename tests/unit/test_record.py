@@ -93,7 +93,7 @@ BAD_RECORDS = {
     # name: (edit, field the message must name)
     "unknown_format": (_set(["format"], "torch_dcp"), "'format'"),
     "missing_format": (_delete(["format"]), "'format'"),
-    "future_version": (_set(["version"], 5), "'version'"),
+    "future_version": (_set(["version"], 6), "'version'"),
     "version_as_string": (_set(["version"], "1"), "'version'"),
     "version_as_bool": (_set(["version"], True), "'version'"),
     "missing_version": (_delete(["version"]), "'version'"),

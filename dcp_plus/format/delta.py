@@ -1,0 +1,56 @@
+"""The XOR delta of a part against the part it replaces (``xor+zstd+shuffle``).
+
+Where few elements of a piece changed (sparse embedding rows, a few weights), the XOR of new
+and old bytes is zero almost everywhere, and the high bytes of changed floats mostly agree:
+byte planes (shuffle) of the XOR compress to a small fraction of the piece. The stored form
+is a :class:`~dcp_plus.format.codecs.ZstdCodec` extent of the XOR, so decoding is "decode the
+frames, XOR with the old bytes"; lossless for every dtype.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from dcp_plus.format.codecs import ZstdCodec
+
+
+@cache
+def _codec(level: int) -> ZstdCodec:
+    return ZstdCodec(level=level, threads=1, shuffle=True)
+
+
+def _u8(data: memoryview | bytes | bytearray) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def xor_into(out: memoryview, other: memoryview | bytes) -> None:
+    """``out ^= other`` bytewise (8 bytes at a time where the lengths allow)."""
+    a, b = np.frombuffer(out, dtype=np.uint8), _u8(other)
+    if len(a) != len(b):
+        raise ValueError(f"XOR of {len(a)} bytes with {len(b)}")
+    n8 = len(a) - len(a) % 8
+    if n8:
+        np.bitwise_xor(a[:n8].view(np.uint64), b[:n8].view(np.uint64), out=a[:n8].view(np.uint64))
+    if n8 < len(a):
+        np.bitwise_xor(a[n8:], b[n8:], out=a[n8:])
+
+
+def encode_delta(new: memoryview, old: memoryview | bytes, itemsize: int,
+                 level: int = 1) -> bytes:
+    """The stored form of ``new`` taken against ``old`` (same length); ``itemsize``: the
+    tensor's element size (the shuffle's plane count)."""
+    x = bytearray(new)
+    xor_into(memoryview(x), old)
+    return _codec(level).encode(memoryview(x), itemsize)
+
+
+def decode_delta_into(stored: memoryview, old: memoryview | bytes, out: memoryview) -> None:
+    """Decode :func:`encode_delta` output into ``out`` (the new bytes).
+
+    Raises:
+        ValueError: the frames do not decode to ``len(out)`` bytes.
+    """
+    _codec(1).decode_into(stored, out)
+    xor_into(out, old)
