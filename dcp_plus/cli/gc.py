@@ -10,7 +10,7 @@ from typing import Any
 from dcp_plus.cli.listing import check_root, list_root
 from dcp_plus.errors import DcpPlusError
 from dcp_plus.manager.lease import LEASE_DIR, RootLease
-from dcp_plus.manager.retention import to_remove
+from dcp_plus.manager.retention import References, to_remove
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.manager.storage import Backend, backend_for
 
@@ -24,7 +24,7 @@ def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
     """What gc removes (or, with ``dry_run``, would remove) under ``root``: uncommitted step
     folders, and the committed steps retention drops (``keep_last`` newest and multiples of
     ``keep_every`` kept, counting only checkpoints whose record validates; the newest of
-    those always). Damaged checkpoints are listed and kept. With ``shm``, also the job's
+    those always; every checkpoint a kept incremental one references). Damaged checkpoints are listed and kept. With ``shm``, also the job's
     memory-tier snapshots on this node (``job_id``: default derived from the root), only when
     no live job holds the root. JSON-ready."""
     res = _collect(root, storage_options, keep_last, keep_every, dry_run)
@@ -79,11 +79,15 @@ def _collect(root: str, storage_options: Mapping[str, Any] | None, keep_last: in
 
 def _plan(root: str, storage_options: Mapping[str, Any] | None, keep_last: int | None,
           keep_every: int | None, *, holder: str | None) -> dict[str, Any]:
-    rows = [r for r in list_root(root, storage_options)["checkpoints"] if r["step"] is not None]
+    listed = list_root(root, storage_options)["checkpoints"]
+    rows = [r for r in listed if r["step"] is not None]
     # retention counts only checkpoints whose record validates: a damaged newest one must not
     # push the loadable ones out (resume skips it and falls back to them); damaged ones stay
     loadable = [r["step"] for r in rows if r["committed"] and not r["problem"]]
-    dropped = set(to_remove(loadable, keep_last, keep_every))
+    dropped = set(to_remove(loadable, keep_last, keep_every, _references(rows)))
+    # other checkpoints beside the steps (copied in by hand) keep the steps they reference
+    step_of = {r["name"]: r["step"] for r in rows}
+    dropped -= {step_of.get(n) for r in listed if r["step"] is None for n in r["bases"] or ()}
     remove: list[dict[str, Any]] = []
     keep: list[dict[str, Any]] = []
     for r in rows:
@@ -92,6 +96,18 @@ def _plan(root: str, storage_options: Mapping[str, Any] | None, keep_last: int |
         (remove if why else keep).append({**r, "why": why})
     return {"root": root, "dry_run": True, "held_by": holder, "remove": remove, "keep": keep,
             "newest_loadable": max(loadable, default=None), "freed_bytes": _bytes(remove)}
+
+
+def _references(rows: list[dict[str, Any]]) -> References:
+    """The steps each listed checkpoint's record references (incremental bases)."""
+    step_of = {r["name"]: r["step"] for r in rows}
+    bases = {r["step"]: r["bases"] for r in rows}
+
+    def references(step: int) -> set[int] | None:
+        names = bases.get(step)
+        return None if names is None else {
+            s for s in map(step_of.get, names) if s is not None}
+    return references
 
 
 def _bytes(rows: list[dict[str, Any]]) -> int:

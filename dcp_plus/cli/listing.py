@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dcp_plus.errors import CheckpointNotFoundError, DcpPlusError
+from dcp_plus.format.extent_set import bases_of
 from dcp_plus.manager.naming import parse_step
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.manager.storage import backend_for, split_root
@@ -29,7 +30,8 @@ def list_root(root: str, storage_options: Mapping[str, Any] | None = None) -> di
 
     Each row: name, path, step (None for other names), committed, latest (the manager's
     ``latest`` pointer names it), tensors and stored bytes (committed ones, from the record,
-    validated as untrusted input: a damaged record is reported in ``problem``).
+    validated as untrusted input: a damaged record is reported in ``problem``), and the
+    checkpoints it references (``bases``: an incremental checkpoint's; None if unknown).
     """
     check_root(root)
     backend, location = backend_for(root, storage_options)
@@ -48,7 +50,7 @@ def list_root(root: str, storage_options: Mapping[str, Any] | None = None) -> di
         row: dict[str, Any] = {"name": name, "path": path, "step": step,
                                "committed": committed, "latest": step is not None
                                and step == latest, "tensors": None, "bytes": None,
-                               "problem": None}
+                               "problem": None, "bases": [] if not committed else None}
         if committed:
             _describe(backend.reader(path, {}), row)
         rows.append(row)
@@ -69,5 +71,7 @@ def _describe(reader: Any, row: dict[str, Any]) -> None:
         return
     finally:
         reader.close()
+    extents = md.storage_data or {}
     row["tensors"] = len(md.state_dict_metadata)
-    row["bytes"] = sum(e.length for e in (md.storage_data or {}).values())
+    row["bytes"] = sum(e.length for e in extents.values() if e.base is None)
+    row["bases"] = bases_of(extents) or []

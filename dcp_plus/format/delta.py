@@ -25,7 +25,7 @@ def _u8(data: memoryview | bytes | bytearray) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def xor_into(out: memoryview, other: memoryview | bytes) -> None:
+def xor_into(out: memoryview, other: memoryview | bytes | bytearray) -> None:
     """``out ^= other`` bytewise (8 bytes at a time where the lengths allow)."""
     a, b = np.frombuffer(out, dtype=np.uint8), _u8(other)
     if len(a) != len(b):
@@ -37,7 +37,7 @@ def xor_into(out: memoryview, other: memoryview | bytes) -> None:
         np.bitwise_xor(a[n8:], b[n8:], out=a[n8:])
 
 
-def encode_delta(new: memoryview, old: memoryview | bytes, itemsize: int,
+def encode_delta(new: memoryview, old: memoryview | bytes | bytearray, itemsize: int,
                  level: int = 1) -> bytes:
     """The stored form of ``new`` taken against ``old`` (same length); ``itemsize``: the
     tensor's element size (the shuffle's plane count)."""
@@ -46,7 +46,8 @@ def encode_delta(new: memoryview, old: memoryview | bytes, itemsize: int,
     return _codec(level).encode(memoryview(x), itemsize)
 
 
-def decode_delta_into(stored: memoryview, old: memoryview | bytes, out: memoryview) -> None:
+def decode_delta_into(stored: memoryview, old: memoryview | bytes | bytearray,
+                      out: memoryview) -> None:
     """Decode :func:`encode_delta` output into ``out`` (the new bytes).
 
     Raises:

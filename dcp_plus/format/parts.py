@@ -124,7 +124,9 @@ def _parse_part(v: Any, fail: Any, where: str, relative_path: Any, depth: int) -
     if unknown:
         raise fail(f"{where}.{sorted(unknown)[0]}", "unknown field of a part")
     h, raw, codec, file = v.get("hash"), v.get("raw"), v.get("codec"), v.get("file")
-    offset, length = v.get("offset"), v.get("length")
+    offset: Any = v.get("offset")
+    length: Any = v.get("length")
+    raw_n: Any = raw
     if type(h) is not str or not _HASH.match(h):
         raise fail(f"{where}.hash", f"expected a {PART_ALGORITHM} hash")
     for name, n, low in (("raw", raw, 1), ("offset", offset, 0), ("length", length, 0)):
@@ -152,7 +154,7 @@ def _parse_part(v: Any, fail: Any, where: str, relative_path: Any, depth: int) -
             raise fail(f"{where}.against", f"{against.raw} raw bytes, the part has {raw}")
     elif "against" in v:
         raise fail(f"{where}.against", f"only {DELTA_CODEC} parts are taken against another")
-    return Part(h, raw, codec, file, offset, length, sibling, against)
+    return Part(h, raw_n, codec, file, offset, length, sibling, against)
 
 
 def own_span(parts: tuple[Part, ...]) -> tuple[str, int, int] | None:

@@ -231,6 +231,26 @@ def _decode_record(data: bytes, source: str) -> Metadata:
                     version=decode_dcp_version(p, root))
 
 
+def record_bases(data: bytes, source: str) -> list[str]:
+    """The checkpoints beside this one that a commit record references (its ``bases``; none
+    before version 5), read without decoding the rest, the seal checked first.
+
+    Raises:
+        CheckpointFormatError, CorruptCheckpointError: the record is damaged (its references
+            are then unknown).
+    """
+    if data[:1] != b"{":
+        return []  # a stock DCP pickle references nothing
+    if len(data) > MAX_RECORD_BYTES:
+        raise CheckpointFormatError(f"{source}: {len(data)} bytes, larger than any record")
+    _unseal(data, source)
+    root = loads_strict(data, source, "dcp_plus commit record")
+    p = FieldParser(source)
+    if not isinstance(root, dict) or p.get(root, "version", int, "") != INCREMENTAL_VERSION:
+        return []
+    return _bases(p, root)
+
+
 def _columnar(p: FieldParser, root: dict[str, Any]) -> bool:
     layout = p.get(root, "layout", str, "")
     if layout not in ("rows", "columns"):

@@ -21,9 +21,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dcp_plus.errors import ClosedError, DcpPlusError, ReadOnlyError
 from dcp_plus.manager.control import ControlGroup
 from dcp_plus.manager.handle import SaveHandle
+from dcp_plus.manager.increments import Chain, IncrementalOptions
 from dcp_plus.manager.issuing import Issuer, wait_snapshot
 from dcp_plus.manager.lease import DEFAULT_TIMEOUT_S
-from dcp_plus.manager.options import ReaderOptions, WriterOptions, options_for
+from dcp_plus.manager.options import ReaderOptions, WriterOptions, check_limits, options_for
 from dcp_plus.manager.resume import load_fastest, tiers_for
 from dcp_plus.manager.root import CheckpointRoot
 from dcp_plus.manager.root_lease import acquire_for_job, still_held
@@ -91,6 +92,9 @@ class CheckpointManager:
             :class:`~dcp_plus.tiers.TierOptions` and ``docs/tiers.md`` (``memory_tier_bytes``
             is its ``state_bytes``). ``load_latest`` then restores from the fastest tier and
             ``last_restore`` says which each rank used.
+        incremental, full_every, delta: incremental checkpoints (``IncrementalOptions`` in
+            :mod:`dcp_plus.manager.increments`, ``docs/incremental.md``); retention keeps
+            every checkpoint a kept one references.
 
     One root has one writer: a writing manager holds the root's lease (``ROOT/.dcpp-lease``)
     until ``close()``; a second one raises ``LeaseHeldError`` naming the holder. A manager
@@ -113,23 +117,20 @@ class CheckpointManager:
                  history_size: int = 1000, memory_tier: bool = False, durable_every: int = 1,
                  job_id: str | None = None, peer_tier: bool = False,
                  ranks_per_node: int | None = None, partner: Callable[[int], int] | None = None,
-                 memory_tier_bytes: int | None = None) -> None:
+                 memory_tier_bytes: int | None = None, incremental: bool = False,
+                 full_every: int = 8, delta: bool = False) -> None:
         tier_options = TierOptions(memory_tier, durable_every, job_id, peer_tier,
                                    ranks_per_node, partner, memory_tier_bytes)
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        if history_size < 1:
-            raise ValueError(f"history_size must be >= 1, got {history_size}")
-        if not lease_timeout > 0:
-            raise ValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")
+        check_limits(keep_last, history_size, lease_timeout)
         backend, self.root = backend_for(root, storage_options)
         self._checkpoints = CheckpointRoot(backend, self.root)
         self.writer_options: WriterOptions = options_for(
             writer_options, backend.writer_options, "writer_options", self.root)
         self.reader_options: ReaderOptions = options_for(
             reader_options, backend.reader_options, "reader_options", self.root)
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        self._chain = Chain(IncrementalOptions(incremental, full_every, delta),
+                            self.writer_options.part_bytes)
+        self.keep_last, self.keep_every = keep_last, keep_every
         self.policy: IntervalPolicy = (AdaptiveInterval(0.05) if interval is None else
                                        EveryN(interval) if isinstance(interval, int) else interval)
         self.verify_on_load = verify_on_load
@@ -154,7 +155,7 @@ class CheckpointManager:
             takeover=takeover, timeout_s=lease_timeout)
         self._owns_stager = stager is None and not read_only
         self._stager = stager if stager is not None or read_only else ArenaStager(
-            buffers=2 if memory_tier else 1, executor="other" if memory_tier else "thread")
+            buffers=2 if memory_tier or delta else 1, executor="other" if memory_tier else "thread")
         self._planner = CachedSavePlanner()
         self._tiers = tiers_for(tier_options, self.root, self.rank, self.world_size, self._stager,
                                 None if process_group is None else
@@ -250,8 +251,9 @@ class CheckpointManager:
         self._phase("stage", step)
         fence = self._lease.check if self._lease is not None else None
         try:
-            issued = self._issuer.issue(step, state, lambda: self.backend.writer(
-                path, {**self.writer_options.kwargs(), "fence": fence}))
+            issued = self._issuer.issue(step, state, lambda: self._chain.writer(
+                lambda: self.backend.writer(path, {**self.writer_options.kwargs(),
+                                                   "fence": fence}), path, handle))
         except (Exception, CheckpointException) as e:  # staging refused, storage unusable
             handle.blocking_s = self.clock() - t0
             self._completed.append(self._finish.refused(handle, e))

@@ -20,6 +20,7 @@ from dcp_plus.format.codecs import Codec, resolve_codec
 from dcp_plus.format.key_prefix import KeyPrefixes
 from dcp_plus.storage.direct import DirectIO, direct_io_problem
 from dcp_plus.storage.rate import rate_problem
+from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES, part_bytes_problem
 
 _T = TypeVar("_T")
 _Check = Callable[[Any], str | None]
@@ -126,6 +127,10 @@ class _Writing(_Options):
     """Seconds between the persists of a node's ranks: rank ``LOCAL_RANK`` starts writing
     ``LOCAL_RANK * stagger`` seconds into its background persist."""
 
+    part_bytes: int = _setting(DEFAULT_PART_BYTES, check=part_bytes_problem)
+    """Incremental checkpoints (``CheckpointManager(incremental=True)``): the size of the
+    parts each tensor is cut into and compared by (a multiple of 4 KiB)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class _Requests(_Options):
@@ -220,3 +225,13 @@ def options_for(given: object, expected: type[_T], what: str, root: str) -> _T:
         raise InvalidOptionError(f"{what}: checkpoints under {root} use a {built}; pass "
                                  f"{expected.__name__}(...), got {given!r}")
     return given
+
+
+def check_limits(keep_last: int | None, history_size: int, lease_timeout: float) -> None:
+    """``CheckpointManager``'s bounds: ``ValueError`` naming the one out of range."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+    if history_size < 1:
+        raise ValueError(f"history_size must be >= 1, got {history_size}")
+    if not lease_timeout > 0:
+        raise ValueError(f"lease_timeout must be > 0 seconds, got {lease_timeout}")

@@ -10,6 +10,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from dcp_plus.errors import DcpPlusError
+from dcp_plus.format.record import RECORD_NAME, record_bases
 from dcp_plus.manager.naming import (
     POINTER_NAME,
     decode_pointer,
@@ -101,11 +103,24 @@ class CheckpointRoot:
         except Exception as e:  # storage down as well: the next holder's start cleans up
             log.warning("could not remove the failed checkpoint %s: %s", path, e)
 
+    def references(self, step: int) -> set[int] | None:
+        """The steps checkpoint ``step`` references (incremental bases); None when its record
+        cannot be read."""
+        source = self.backend.join(self.path(step), RECORD_NAME)
+        try:
+            data = self.backend.read(source)
+            names = [] if data is None else record_bases(data, source)
+        except (DcpPlusError, OSError) as e:
+            log.warning("retention keeps every checkpoint: the references of %s are unknown "
+                        "(%s)", source, e)
+            return None
+        return {s for s in map(parse_step, names) if s is not None}
+
     def retain(self, keep_last: int | None, keep_every: int | None,
                uncommitted: Callable[[int], None]) -> None:
         """Delete what retention drops: commit record first (``uncommitted(step)`` is
         called then), then the folder."""
-        for step in to_remove(self.committed(), keep_last, keep_every):
+        for step in to_remove(self.committed(), keep_last, keep_every, self.references):
             path = self.path(step)
             try:
                 self.backend.uncommit(path)

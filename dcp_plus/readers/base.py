@@ -35,8 +35,10 @@ from dcp_plus.format.extent import BYTESIO
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import check_digest, check_extent_bounds, verify_checksum
+from dcp_plus.readers.parts_read import Siblings, check_references, needs_parts, read_parts
 from dcp_plus.readers.placement import place_objects
 from dcp_plus.readers.raw_bytes import deliver_bytesio
+from dcp_plus.readers.refused import RefusedRecord
 from dcp_plus.storage.direct_extents import ExtentEOFError
 from dcp_plus.storage.direct_read import DIRECT_ALIGN
 from dcp_plus.storage.fanout import fan_out
@@ -64,22 +66,6 @@ def describe(index: MetadataIndex) -> str:
     return f"tensor {index.fqn!r}{chunk}"
 
 
-class RefusedRecord(Metadata):
-    """Stands for a record :meth:`ExtentReader.read_metadata` refused: reading any field of
-    it raises that refusal."""
-
-    def __init__(self, refusal: Exception) -> None:  # no fields: each one would raise
-        object.__setattr__(self, "refusal", refusal)
-
-    def __getattribute__(self, name: str) -> Any:
-        if name in Metadata.__dataclass_fields__:
-            raise object.__getattribute__(self, "refusal")
-        return object.__getattribute__(self, name)
-
-    def __repr__(self) -> str:
-        return f"RefusedRecord({self.refusal!r})"
-
-
 class ExtentReader(StoreClient, StorageReader):
     """The one dcp_plus reader over a store; a subclass opens its store and names its settings.
 
@@ -101,6 +87,7 @@ class ExtentReader(StoreClient, StorageReader):
         self._refused: Exception | None = None  # why the last read_metadata failed
         self._extents: dict[MetadataIndex, Extent] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, torch.Size]] = {}
+        self._sibling_readers: Siblings | None = None
 
     # -- what a subclass provides -----------------------------------------------------------
 
@@ -117,7 +104,15 @@ class ExtentReader(StoreClient, StorageReader):
 
     def close(self) -> None:
         """Release connections and threads (reopened on next use)."""
+        if self._sibling_readers is not None:
+            self._sibling_readers.close()
         self._close_store()
+
+    def _siblings(self) -> Siblings:
+        """Readers of the checkpoints beside this one that its record references."""
+        if self._sibling_readers is None:
+            self._sibling_readers = Siblings(self)
+        return self._sibling_readers
 
     def _location(self, name: str) -> str:
         """How messages name data file ``name``."""
@@ -134,9 +129,12 @@ class ExtentReader(StoreClient, StorageReader):
 
     def _check_bounds(self) -> None:
         """Raise CheckpointFormatError if an extent's file is missing or too short."""
-        sizes = self._store.sizes(sorted({e.file for e in self._extents.values()}))
-        check_extent_bounds(((describe(i), e) for i, e in self._extents.items()),
-                            sizes.__getitem__, self._location)
+        own = [(describe(i), e) for i, e in self._extents.items() if e.base is None]
+        sizes = self._store.sizes(sorted({e.file for _, e in own}))
+        check_extent_bounds(own, sizes.__getitem__, self._location)
+        referenced = [(describe(i), e) for i, e in self._extents.items() if needs_parts(e)]
+        if referenced:
+            check_references(self, self._siblings(), referenced)
 
     def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str) -> None:
         """Fill each ``(offset, buffer)`` from data file ``name``; ``what`` names the items.
@@ -219,6 +217,10 @@ class ExtentReader(StoreClient, StorageReader):
         by_extent: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             by_extent[req.storage_index].append(req)
+        parts = {i: r for i, r in by_extent.items() if needs_parts(self._extent(i))}
+        if parts:
+            by_extent = {i: r for i, r in by_extent.items() if i not in parts}
+            read_parts(self, self._siblings(), parts, planner, describe, self._dtype_name)
         self._read_extents(by_extent, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -303,14 +305,17 @@ class ExtentReader(StoreClient, StorageReader):
         for index, (buf, finish) in zip(batch, targets, strict=True):
             self._deliver(index, buf, finish)
 
+    def _dtype_name(self, index: MetadataIndex) -> str | None:
+        chunk = self._chunks.get(index)
+        return None if chunk is None else dtype_name(chunk[0])
+
     def _deliver(self, index: MetadataIndex, buf: memoryview, finish: Callable[[], None],
                  checksum: str | None = None) -> None:
         """Check a filled extent's checksum (unless ``verify=False``), then deliver it;
         ``checksum``: the content checksum of ``buf`` when the read computed it already."""
         if self.verify:
             ext = self._extent(index)
-            chunk = self._chunks.get(index)
-            identity = extent_identity(index, None if chunk is None else dtype_name(chunk[0]), ext)
+            identity = extent_identity(index, self._dtype_name(index), ext)
             if checksum is None:
                 verify_checksum(buf, ext, describe(index), self.path, identity)
             else:

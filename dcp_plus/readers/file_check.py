@@ -12,12 +12,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.checksum import format_checksum, new_hasher
 from dcp_plus.format.codecs import stored_length
 from dcp_plus.format.layout import ALIGNMENT
+from dcp_plus.format.parts import PART_ALGORITHM
 from dcp_plus.format.record import RECORD_NAME, Extent, extent_identity
 from dcp_plus.readers.base import describe
 from dcp_plus.readers.extents import digest_matches
@@ -115,6 +117,11 @@ def _pieces(plan: list[tuple[int, int, int]]) -> Iterator[tuple[int, list[tuple[
                 break
     if batch:
         yield start, batch
+
+
+def _hasher(ext: Extent) -> Any:
+    """How an entry's bytes are hashed: a part's raw hash (xxh3-128), else the extent's."""
+    return xxhash.xxh3_128() if ext.checksum.startswith(PART_ALGORITHM) else new_hasher()
 
 
 def _read(store: ObjectStore, name: str, offset: int, n: int) -> bytes:
@@ -231,12 +238,14 @@ def _scan(store: ObjectStore, name: str, entries: list[Entry], plan: list[tuple[
             if tag < 0:
                 _check_zeros(piece, s, e, tag, size, state)
                 continue
-            hasher = hashers.setdefault(tag, new_hasher())
+            hasher = hashers.setdefault(tag, _hasher(entries[tag][1]))
             hasher.update(piece)
             index, ext = entries[tag]
             if e == ext.offset + ext.length:
                 del hashers[tag]
-                _finish_extent(store, name, index, ext, format_checksum(hasher),
+                digest = (f"{PART_ALGORITHM}:{hasher.hexdigest()}" if ext.checksum.startswith(
+                    PART_ALGORITHM) else format_checksum(hasher))
+                _finish_extent(store, name, index, ext, digest,
                                dtypes.get(index.fqn), size, state)
                 report.bytes += ext.length
                 if progress is not None:
@@ -245,6 +254,12 @@ def _scan(store: ObjectStore, name: str, entries: list[Entry], plan: list[tuple[
 
 def _finish_extent(store: ObjectStore, name: str, index: MetadataIndex, ext: Extent,
                    actual: str, dtype: str | None, size: int, state: _FileState) -> None:
+    if not ext.checksum:  # an encoded part: checked once decoded (parts_verify)
+        return
+    if ext.checksum.startswith(PART_ALGORITHM):  # an uncompressed part of a chunked extent
+        if actual != ext.checksum:
+            state.mismatched.append(_span(index, ext))
+        return
     try:
         if digest_matches(actual, ext, extent_identity(index, dtype, ext)):
             return

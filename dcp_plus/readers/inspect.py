@@ -18,6 +18,8 @@ from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_nam
 from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
 from dcp_plus.readers.file_check import VerifyReport, check_file
 from dcp_plus.readers.locate import reader_for
+from dcp_plus.readers.parts_read import needs_parts
+from dcp_plus.readers.parts_verify import own_entries, verify_decoded
 from dcp_plus.readers.placement import place_objects
 
 __all__ = ["VerifyReport", "load_record", "stored_bytes", "summarize", "verify"]
@@ -51,8 +53,10 @@ def load_record(location: Location, storage_options: Mapping[str, Any] | None = 
 
 
 def stored_bytes(md: Metadata) -> int:
-    """The bytes :func:`verify` reads: every extent's stored length."""
-    return sum(e.length for e in _extents(md).values())
+    """The bytes :func:`verify` reads: every extent's stored length (an incremental
+    checkpoint's: every part's, referenced ones included)."""
+    return sum(e.length if e.parts is None else sum(p.length for p in e.parts)
+               for e in _extents(md).values())
 
 
 def _extents(md: Metadata) -> dict[MetadataIndex, Extent]:
@@ -152,13 +156,20 @@ def verify(location: Location, progress: Callable[[int], None] | None = None,
         place_objects(reader._store, _extents(md), reader._location(RECORD_NAME))
         report = VerifyReport(os.fspath(location))
         by_file: dict[str, list[tuple[MetadataIndex, Extent]]] = {}
+        referencing = []
         for index, ext in _extents(md).items():
+            if needs_parts(ext):
+                referencing.append((index, ext))
+                if ext.base is None:  # its own parts, in its own file
+                    by_file.setdefault(ext.file, []).extend(own_entries(index, ext))
+                continue
             by_file.setdefault(ext.file, []).append((index, ext))
         dtypes = {fqn: dtype_name(item.properties.dtype)
                   for fqn, item in md.state_dict_metadata.items()
                   if isinstance(item, TensorStorageMetadata)}
         for name, entries in sorted(by_file.items()):
             check_file(reader._store, name, entries, dtypes, report, progress)
+        verify_decoded(reader, referencing, lambda i: dtypes.get(i.fqn), report, progress)
         return report
     finally:
         reader.close()

@@ -177,6 +177,8 @@ class Arena:
         self.layout = layout
         self.pin = pin
         self.buffers: list[Buffer] = []
+        self.newest: Buffer | None = None
+        """The buffer the latest snapshot was taken into."""
         self.retired = False
         self.tensor_bytes = sum(e.nbytes for e in layout.extents)
         """Bytes of tensor data one snapshot copies (alignment padding excluded)."""
@@ -207,13 +209,6 @@ class Arena:
     def nbytes(self) -> int:
         """Shared-memory bytes currently allocated by this arena."""
         return self.layout.nbytes * len(self.buffers)
-
-    def free_buffer(self) -> Buffer | None:
-        """A buffer not held by any snapshot, or None."""
-        for buf in self.buffers:
-            if not buf.in_use:
-                return buf
-        return None
 
     def add_buffer(self, pool: SlabPool | None = None) -> Buffer:
         """Allocate one more buffer, with pre-faulted slabs from ``pool`` where it has them."""

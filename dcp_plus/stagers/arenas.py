@@ -71,15 +71,24 @@ class ArenaSet:
         self.current = arena
         return arena
 
-    def take_buffer(self, fp: Fingerprint, pool: SlabPool) -> tuple[Arena, Buffer]:
-        """A free buffer of ``fp``'s arena, marked in use (allocated from ``pool`` if needed)."""
+    def take_buffer(self, fp: Fingerprint, pool: SlabPool, limit: int = 1
+                    ) -> tuple[Arena, Buffer]:
+        """A free buffer of ``fp``'s arena, marked in use (allocated from ``pool`` if needed).
+
+        Buffers are taken in turn: the one the previous snapshot filled is reused only when
+        the arena holds ``limit`` buffers and no other is free, so that with two buffers the
+        previous snapshot survives the next one (incremental saves take XOR deltas
+        against it)."""
         arena = self.arena_for(fp)
-        buf = arena.free_buffer()
+        free = [b for b in arena.buffers if not b.in_use]
+        older = [b for b in free if b is not arena.newest]
+        buf = older[0] if older else free[0] if free and len(arena.buffers) >= limit else None
         if buf is None:
             self.check_capacity(arena.layout.nbytes)
             buf = arena.add_buffer(pool)
             pool.drain()
         buf.in_use = True
+        arena.newest = buf
         return arena, buf
 
     def drop_if_idle(self, arena: Arena) -> None:

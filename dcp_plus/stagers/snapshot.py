@@ -77,7 +77,7 @@ class Snapshotter:
             fqns = fqns_of(cap.skeleton)
             fp = fingerprint(fqns, locals_)
             with self._cond:
-                arena, buf = self._arenas.take_buffer(fp, self._pool)
+                arena, buf = self._arenas.take_buffer(fp, self._pool, self._holds.buffers)
                 buf.consumer_saves = job.executor == "thread"
             if not buf.views_alias_slabs():
                 logger.warning("ArenaStager: arena views were re-based by someone; rebuilding them")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import abc
+import copy
 import os
-from typing import Any
+from typing import Any, Self
 
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.storage.objectio import ObjectStore
@@ -58,6 +59,14 @@ class StoreClient(abc.ABC):
             self._store_obj = self._open_store()
         return self._store_obj
 
+    def sibling(self, name: str) -> Self:
+        """A copy of this client pointing at the checkpoint ``name`` beside its own (same
+        parent directory or key prefix, same settings), with a store of its own."""
+        other = copy.copy(self)
+        other._store_obj = None
+        other.path = sibling_path(self.path, name)
+        return other
+
     def _set_location(self, checkpoint_id: str | os.PathLike) -> None:
         """Point at ``checkpoint_id`` (the store of the old location is closed)."""
         self._close_store()
@@ -67,3 +76,28 @@ class StoreClient(abc.ABC):
         if self._store_obj is not None:
             self._store_obj.close()
             self._store_obj = None
+
+
+def sibling_path(path: str, name: str) -> str:
+    """The location of checkpoint ``name`` beside ``path`` (a directory or a URL)."""
+    return f"{path.rsplit('/', 1)[0]}/{name}" if "/" in path else name
+
+
+def sibling_name(path: str, other: str | os.PathLike) -> str:
+    """``other``'s name if it lies beside ``path`` (both normalized locations).
+
+    Raises:
+        InvalidOptionError: ``other`` lies elsewhere (references never leave a checkpoint's
+            parent directory, so that a record cannot point at arbitrary files).
+    """
+    text = normalize_location(other)
+    if not is_url(text) and not is_url(path):
+        text, here = os.path.abspath(text), os.path.abspath(path)
+    else:
+        here = path
+    parent, _, name = text.rpartition("/")
+    if parent != here.rpartition("/")[0] or not name or name == here.rpartition("/")[2]:
+        raise InvalidOptionError(
+            f"base {os.fspath(other)!r} must be another checkpoint in the same directory as "
+            f"{path!r} (incremental checkpoints reference their bases by name)")
+    return name

@@ -12,13 +12,12 @@ import dataclasses
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
@@ -29,11 +28,14 @@ from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
 from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_data_file
+from dcp_plus.format.parts import CHUNKED
 from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
-from dcp_plus.storage.location import StoreClient
+from dcp_plus.memory.slabs import SlabRef
+from dcp_plus.storage.location import StoreClient, sibling_name
 from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.rate import Bucket, check_shaping, shared_bucket, stagger_delay
+from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES, ChunkSpec
 from dcp_plus.writers.codec_choice import CodecChoice
 from dcp_plus.writers.extent_tables import (
     build_extents,
@@ -42,54 +44,23 @@ from dcp_plus.writers.extent_tables import (
     table_prefixes,
     write_results,
 )
+from dcp_plus.writers.increments import (
+    Increments,
+    chunked_file,
+    encode_files,
+    plan_chunking,
+    stored_bytes,
+)
 from dcp_plus.writers.items import resolve_items
 from dcp_plus.writers.layout import FilePlan, checksums_by_item, plan_files
 from dcp_plus.writers.pool import DEFAULT_NICE, check_pool_settings, shared_pool
-from dcp_plus.writers.worker import Job
+from dcp_plus.writers.save_info import PersistTiming, RankInfo, new_save_id
+from dcp_plus.writers.worker import ChunkedJob, Job
 
 log = logging.getLogger(__name__)
 
 Fence = Callable[[], None]
 """Raises when this writer may no longer write where it is (``CheckpointManager``'s lease)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RankInfo:
-    """Set on each rank's plan by the coordinator: its rank and the world size.
-
-    It carries no save id: DCP's plan caching reuses a cached final plan (and this) without
-    calling ``prepare_global_plan``, so each rank picks its save's id itself, every save.
-    """
-
-    rank: int
-    world: int = 1
-
-
-def new_save_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
-@dataclasses.dataclass(frozen=True)
-class PersistTiming:
-    """When this rank's last ``write_data`` ran (``time.time()`` seconds) and what it wrote.
-
-    Attributes:
-        started: ``write_data`` was called.
-        writing: the data write began (after the stagger): its first file was created.
-        write_s: how long writing every data file of the rank took (and fsyncing them,
-            where the writer does), on the monotonic clock.
-        data_bytes: the sizes of the rank's data files together.
-    """
-
-    started: float
-    writing: float
-    write_s: float
-    data_bytes: int
-
-    @property
-    def bytes_per_s(self) -> float:
-        """The rank's data write rate (what ``max_bytes_per_s`` bounds)."""
-        return self.data_bytes / max(self.write_s, 1e-9)
 
 
 class CommittingWriter(StoreClient, StorageWriter):
@@ -121,7 +92,8 @@ class CommittingWriter(StoreClient, StorageWriter):
                  codecs: Mapping[str, str | Codec] | None, fence: Fence | None,
                  allow_pickle: bool, workers: int | None = None,
                  worker_nice: int = DEFAULT_NICE, max_bytes_per_s: float | None = None,
-                 stagger: float = 0.0) -> None:
+                 stagger: float = 0.0, base: str | os.PathLike | None = None,
+                 incremental: bool = False, part_bytes: int = DEFAULT_PART_BYTES) -> None:
         super().__init__()
         if workers is not None:
             check_pool_settings(type(self).__name__, workers, worker_nice)
@@ -140,6 +112,13 @@ class CommittingWriter(StoreClient, StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self._feeder: ThreadPoolExecutor | None = None
+        self.increments: Increments | None = None
+        if base is not None or incremental:
+            self.increments = Increments(
+                None if base is None else sibling_name(self.path, base), part_bytes)
+        self.last_slabs: dict[MetadataIndex, SlabRef] = {}
+        """Where this rank's last save read each slab-backed item (incremental saves only):
+        a later save's XOR deltas are taken against those bytes while they last."""
 
     # -- what a subclass provides -----------------------------------------------------------
 
@@ -227,9 +206,20 @@ class CommittingWriter(StoreClient, StorageWriter):
         with gc_paused():  # per-item objects, none cyclic: collections here are pure cost
             items = resolve_items(plan, planner, self.allow_pickle)
             raw_lengths = {id(r): len(r.data) for r in items}
-            codec_names = {id(r): self.codecs.encode(r) for r in items}
-            slab_files, other_files = plan_files(items, info.rank, self.save_id, self._bins,
-                                                 slab_parts=self._slab_parts)
+            chunking = None if self.increments is None else plan_chunking(
+                self, self.increments, items, self.codecs)
+            specs = {} if chunking is None else chunking.specs
+            codec_names = {id(r): CHUNKED if id(r) in specs else self.codecs.encode(r)
+                           for r in items}
+            slab_files, other_files = plan_files([r for r in items if id(r) in specs or
+                                                  not specs], info.rank, self.save_id,
+                                                 self._bins, slab_parts=self._slab_parts)
+            if specs:  # values: files of their own, beside the parts
+                other_files += plan_files([r for r in items if id(r) not in specs], info.rank,
+                                          self.save_id, self._bins,
+                                          first=len(slab_files) + len(other_files))[1]
+            if self.increments is not None:
+                self.last_slabs = {r.item.index: r.slab for r in items if r.slab is not None}
         files = slab_files + other_files
         prefix = self._rank_prefix(info.rank)
         if prefix is not None:
@@ -244,11 +234,15 @@ class CommittingWriter(StoreClient, StorageWriter):
         created = self._prepare([fp.name for fp in files])
         try:
             with shared_bucket(self.max_bytes_per_s) as pace:
-                sums = self._write_files(slab_files, other_files, pace)
+                sums = self._write_files(slab_files, other_files, pace, specs)
             self.last_persist = PersistTiming(started, writing, time.monotonic() - clock,
-                                              sum(fp.size for fp in files))
+                                              stored_bytes(files, specs, sums))
             with gc_paused():
-                extents = build_extents(files, raw_lengths, codec_names, sums, prefix)
+                extents = build_extents([fp for fp in files if not chunked_file(fp, specs)],
+                                        raw_lengths, codec_names, sums, prefix)
+                if chunking is not None:
+                    extents += [(r.item.index, chunking.extent(r, fp.name, sums[id(r)]))
+                                for fp in files if chunked_file(fp, specs) for r, _ in fp.placed]
                 results = write_results(info.rank, info.world, self.save_id, extents,
                                         self._put_table, prefix)
         except BaseException:
@@ -259,26 +253,40 @@ class CommittingWriter(StoreClient, StorageWriter):
         return fut
 
     def _write_files(self, slab_files: list[FilePlan], other_files: list[FilePlan],
-                     pace: Bucket | None) -> dict[int, str]:
-        """Write the planned files, every byte paced by ``pace`` (None: uncapped); the
-        content checksums by ``id(item)``. Slab-backed files go to the worker pool (on this
-        thread) while the rest are written on a feeder thread."""
+                     pace: Bucket | None, specs: dict[int, ChunkSpec]) -> dict[int, Any]:
+        """Write the planned files, every byte paced by ``pace`` (None: uncapped); by
+        ``id(item)``, the content checksums, or for items stored as parts (``specs``) their
+        outcomes. Slab-backed files go to the worker pool (on this thread) while the rest
+        are written on a feeder thread."""
         store = self._store
         in_workers = slab_files if self.workers and store.uploads_from_any_process else []
         in_process = other_files if in_workers else slab_files + other_files
         if not in_workers:
-            return self._write_in_process(in_process, pace)
+            return self._write_encoded(in_process, pace, specs)
         if self._feeder is None:
             self._feeder = ThreadPoolExecutor(1, thread_name_prefix="dcpp-upload")
-        pending = self._feeder.submit(self._write_in_process, in_process, pace)
+        pending = self._feeder.submit(self._write_encoded, in_process, pace, specs)
         try:
             # one job per file: never two writers to one
-            jobs = self._worker_jobs(in_workers, pace)
+            jobs: list[Job | ChunkedJob] = list(self._worker_jobs(in_workers, pace))
+            if specs:
+                jobs = [ChunkedJob(job, [specs[id(r)] for r, _ in fp.placed])  # type: ignore[arg-type]
+                        for job, fp in zip(jobs, in_workers, strict=True)]
             sums = checksums_by_item(in_workers,
                                      shared_pool(self.workers, self.worker_nice).run(jobs))
         finally:
             wait([pending])  # no thread may still write when this returns or raises
         sums.update(pending.result())
+        return sums
+
+    def _write_encoded(self, files: list[FilePlan], pace: Bucket | None,
+                       specs: dict[int, ChunkSpec]) -> dict[int, Any]:
+        """:meth:`_write_in_process`, items stored as parts (``specs``) encoded first."""
+        if not specs:
+            return self._write_in_process(files, pace)
+        files, outcomes = encode_files(files, specs)
+        sums: dict[int, Any] = dict(self._write_in_process(files, pace))
+        sums.update(outcomes)
         return sums
 
     def _remove_own_files(self, names: list[str]) -> None:
@@ -343,7 +351,8 @@ class CommittingWriter(StoreClient, StorageWriter):
             log.warning("%s: the commit record being replaced is not readable (%s); its data "
                         "files are left in place", self.checkpoint_id, e)
             return set()
-        files = {e.file: e.prefix for e in old.storage_data.values() if is_data_file(e.file)}
+        files = {e.file: e.prefix for e in old.storage_data.values()
+                 if e.base is None and is_data_file(e.file)}
         placed = {f: p for f, p in files.items() if p is not None}
         if placed and not isinstance(self._store, Placed):  # not ours: a hostile record
             log.warning("%s: the replaced commit record names key prefixes; the files under "

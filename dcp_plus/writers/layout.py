@@ -38,7 +38,7 @@ def checksums_by_item(files: list[FilePlan], job_sums: list[list[str]]) -> dict[
 
 
 def plan_files(items: list[ResolvedItem], rank: int, save_id: str, bins: int,
-               slab_parts: int = 1) -> tuple[list[FilePlan], list[FilePlan]]:
+               slab_parts: int = 1, first: int = 0) -> tuple[list[FilePlan], list[FilePlan]]:
     """Split items into slab-backed files and in-process files.
 
     Slab-backed items get files whose offsets mirror the slab offsets, so the files are the
@@ -46,9 +46,10 @@ def plan_files(items: list[ResolvedItem], rank: int, save_id: str, bins: int,
     rank does not write (e.g. an HSDP replica's share) are closed up. A large slab is cut into
     up to ``slab_parts`` contiguous files (>= 64 MiB each) so that parallel writers never
     share a file (concurrent pwrites to one ext4 file serialise on its inode lock: 2-3x
-    slower here). Other items are spread over ``bins`` files of similar size.
+    slower here). Other items are spread over ``bins`` files of similar size. Files are
+    numbered from ``first``.
     """
-    counter = iter(range(1 << 30))
+    counter = iter(range(first, 1 << 30))
     by_slab: dict[str, list[ResolvedItem]] = {}
     local: list[ResolvedItem] = []
     for r in items:

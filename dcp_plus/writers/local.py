@@ -15,6 +15,7 @@ from dcp_plus.storage.rate import Bucket
 from dcp_plus.storage.urls import is_url
 from dcp_plus.writers.base import CommittingWriter, Fence, segments_of
 from dcp_plus.writers.bounce import write_segments
+from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES
 from dcp_plus.writers.layout import FilePlan
 from dcp_plus.writers.pool import DEFAULT_NICE
 from dcp_plus.writers.worker import Job, WriteJob
@@ -73,6 +74,17 @@ class LocalWriter(CommittingWriter):
         fence: called by the coordinator before the save writes anything and again just
             before it commits; raising aborts the save on every rank. ``CheckpointManager``
             passes its root lease's check, so a writer that lost its lease never commits.
+        base, incremental, part_bytes: incremental checkpoints. ``base``: a committed
+            checkpoint in the same directory (its path); every tensor is cut into parts of
+            ``part_bytes`` (default 1 MiB, a multiple of 4 KiB) whose xxh3-128 is taken while
+            they are written, and a part equal to the base's part of the same tensor is
+            recorded as a reference to where the base keeps it instead of being written
+            again (a tensor none of whose parts changed references the base's extent
+            whole). ``incremental=True`` without a base: a full save whose parts later saves
+            can reference. Loading, resharding and ``verify`` follow the references; a
+            missing or damaged base fails the load naming the base and the tensor. Keep the
+            bases of the checkpoints you keep (``CheckpointManager(incremental=True)`` and
+            ``dcp-plus gc`` do, from the records' ``bases``).
         allow_pickle: also store non-tensor values that only load by full unpickling
             (refused by default; ``io.BytesIO`` values are always stored as raw bytes).
             Loading them needs ``allow_pickle=True`` on the reader and a planner that
@@ -86,10 +98,13 @@ class LocalWriter(CommittingWriter):
                  stagger: float = 0.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None,
                  fence: Fence | None = None,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False,
+                 base: str | os.PathLike | None = None, incremental: bool = False,
+                 part_bytes: int = DEFAULT_PART_BYTES) -> None:
         super().__init__(path, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice,
-                         max_bytes_per_s=max_bytes_per_s, stagger=stagger)
+                         max_bytes_per_s=max_bytes_per_s, stagger=stagger,
+                         base=base, incremental=incremental, part_bytes=part_bytes)
         if threads < 1:
             raise ValueError(f"LocalWriter threads must be >= 1, got {threads}")
         if streams < 1:

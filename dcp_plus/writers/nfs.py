@@ -12,6 +12,7 @@ from dcp_plus.storage.objectio import ObjectStore, StoreConfig
 from dcp_plus.storage.retry import RetryPolicy
 from dcp_plus.storage.urls import is_nfs_target
 from dcp_plus.writers.base import CommittingWriter, Fence
+from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES
 
 
 class NFSWriter(CommittingWriter):
@@ -42,6 +43,9 @@ class NFSWriter(CommittingWriter):
             (default: the URL's first path component).
         max_bytes_per_s, stagger: as for :class:`~dcp_plus.writers.LocalWriter` (paced in
             4 MiB writes).
+        base, incremental, part_bytes: incremental checkpoints, as for
+            :class:`~dcp_plus.writers.LocalWriter` (``base``: a committed checkpoint beside
+            this one).
         fence, allow_pickle: as for :class:`~dcp_plus.writers.LocalWriter`.
 
     Raises:
@@ -56,10 +60,13 @@ class NFSWriter(CommittingWriter):
                  codecs: Mapping[str, str | Codec] | None = None,
                  export: str | None = None, max_bytes_per_s: float | None = None,
                  stagger: float = 0.0, fence: Fence | None = None,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False,
+                 base: str | os.PathLike | None = None, incremental: bool = False,
+                 part_bytes: int = DEFAULT_PART_BYTES) -> None:
         super().__init__(path, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle, max_bytes_per_s=max_bytes_per_s,
-                         stagger=stagger)
+                         stagger=stagger,
+                         base=base, incremental=incremental, part_bytes=part_bytes)
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(concurrency=concurrency,
                                   retry=RetryPolicy(max_retries, retry_base_delay,

@@ -22,6 +22,7 @@ from dcp_plus.storage.rate import Bucket
 from dcp_plus.storage.retry import RetryPolicy
 from dcp_plus.storage.urls import names_location, prefixable
 from dcp_plus.writers.base import CommittingWriter, Fence
+from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES
 from dcp_plus.writers.layout import FilePlan
 from dcp_plus.writers.pool import DEFAULT_NICE
 from dcp_plus.writers.worker import Job, UploadJob
@@ -59,6 +60,9 @@ class ObjectStoreWriter(CommittingWriter):
         max_bytes_per_s, stagger: as for :class:`~dcp_plus.writers.LocalWriter`; on S3 a
             request waits for its whole body's share, so the cap's grain is ``part_size``
             (a smaller ``part_size`` shapes finer; other filesystems are paced in 4 MiB).
+        base, incremental, part_bytes: incremental checkpoints, as for
+            :class:`~dcp_plus.writers.LocalWriter` (``base``: a committed checkpoint beside
+            this one).
         fence, allow_pickle: as for :class:`~dcp_plus.writers.LocalWriter`.
         key_prefixes: spread the ranks' objects over key prefixes of the bucket, as S3
             throttles per prefix: :class:`~dcp_plus.HexPrefixes` ``(depth)``,
@@ -79,15 +83,21 @@ class ObjectStoreWriter(CommittingWriter):
                  codecs: Mapping[str, str | Codec] | None = None, workers: int = 2,
                  worker_nice: int = DEFAULT_NICE, max_bytes_per_s: float | None = None,
                  stagger: float = 0.0, fence: Fence | None = None,
-                 allow_pickle: bool = False, key_prefixes: KeyPrefixes | None = None) -> None:
+                 allow_pickle: bool = False, key_prefixes: KeyPrefixes | None = None,
+                 base: str | os.PathLike | None = None, incremental: bool = False,
+                 part_bytes: int = DEFAULT_PART_BYTES) -> None:
         super().__init__(url, overwrite=overwrite, codec=codec, codecs=codecs, fence=fence,
                          allow_pickle=allow_pickle, workers=workers, worker_nice=worker_nice,
-                         max_bytes_per_s=max_bytes_per_s, stagger=stagger)
+                         max_bytes_per_s=max_bytes_per_s, stagger=stagger,
+                         base=base, incremental=incremental, part_bytes=part_bytes)
         if key_prefixes is not None and not isinstance(key_prefixes, KeyPrefixes):
             raise InvalidOptionError(f"ObjectStoreWriter key_prefixes: expected HexPrefixes, "
                                      f"BinaryPrefixes, RoundRobinPrefixes or None, got "
                                      f"{key_prefixes!r}")
         self.key_prefixes = key_prefixes
+        if key_prefixes is not None and self.increments is not None:
+            raise InvalidOptionError(f"{url}: ObjectStoreWriter cannot combine key_prefixes "
+                                     "with incremental checkpoints (base=, incremental=) yet")
         self._check_prefixable()
         self.storage_options = dict(storage_options or {})
         self.config = StoreConfig(part_size=part_size, concurrency=concurrency,

@@ -82,7 +82,27 @@ class UploadJob:
         return f"{self.url.rstrip('/')}/{self.name}"
 
 
-Job = WriteJob | UploadJob
+@dataclass(frozen=True)
+class ChunkedJob:
+    """``sink`` (a :class:`WriteJob` or :class:`UploadJob`) with its ranges stored as parts
+    (an incremental checkpoint): each range is cut, compared with its base and encoded under
+    its ``specs`` entry (a :class:`~dcp_plus.writers.chunk_encode.ChunkSpec`), and the
+    stored pieces are packed from offset 0 (the ranges' file offsets are not used). Returns
+    each range's list of :data:`~dcp_plus.writers.chunk_encode.Outcome`."""
+
+    sink: WriteJob | UploadJob
+    specs: list[Any]
+
+    @property
+    def path(self) -> str:
+        return self.sink.path
+
+    @property
+    def rate(self) -> RateLimit | None:
+        return self.sink.rate
+
+
+Job = WriteJob | UploadJob | ChunkedJob
 
 
 class ParentGone(Exception):
@@ -120,6 +140,16 @@ class _Mappings:
         """Bytes ``[offset, offset + length)`` of slab ``name``."""
         return memoryview(self.get(name))[offset : offset + length]
 
+    def old(self, where: tuple[str, int] | None, length: int) -> memoryview | None:
+        """Slab bytes of a previous snapshot, or None when that slab is gone or shorter."""
+        if where is None:
+            return None
+        try:
+            view = self.view(where[0], where[1], length)
+        except (OSError, ValueError):
+            return None
+        return view if len(view) == length else None
+
     def checksums(self, ranges: list[tuple[str, int, int, int]]) -> list[str]:
         """The checksum of each job range ``(slab, slab offset, file offset, length)``."""
         return [checksum_bytes(self.view(slab, soff, n)) for slab, soff, _, n in ranges]
@@ -148,61 +178,75 @@ def coalesce(ranges: list[tuple[str, int, int, int]]) -> list[tuple[str, int, in
     return out
 
 
-def run_upload(job: UploadJob, maps: _Mappings, pace: Bucket | None) -> list[str]:
+def upload(job: UploadJob, segments: list[tuple[int, Any]], total: int,
+           pace: Bucket | None) -> None:
     from dcp_plus.storage.objectio import open_store  # fsspec/s3fs: only in uploading workers
 
-    sums = maps.checksums(job.ranges)
-    segments = [(ooff, maps.view(slab, soff, n)) for slab, soff, ooff, n in coalesce(job.ranges)]
     store = open_store(job.url, job.storage_options, job.config)
     try:
-        store.upload([(job.name, segments, job.total)], pace)
+        store.upload([(job.name, segments, total)], pace)
     finally:
         store.close()
-    return sums
 
 
-def run_job(job: Job, maps: _Mappings, parent: int) -> list[str]:
+def run_job(job: Job, maps: _Mappings, parent: int) -> list[Any]:
     pace = None if job.rate is None else job.rate.open()
     try:
+        if isinstance(job, ChunkedJob):
+            return run_chunked(job, maps, parent, pace)
+        sums = maps.checksums(job.ranges)
+        runs = coalesce(job.ranges)
         if isinstance(job, UploadJob):
-            return run_upload(job, maps, pace)
-        return run_write(job, maps, parent, pace)
+            upload(job, [(ooff, maps.view(slab, soff, n)) for slab, soff, ooff, n in runs],
+                   job.total, pace)
+        else:
+            write(job, [(foff, maps.view(slab, soff, n), soff % DIRECT_ALIGN == 0)
+                        for slab, soff, foff, n in runs], parent, pace)
+        return sums
     finally:
         if pace is not None:
             pace.close()
 
 
-def run_write(job: WriteJob, maps: _Mappings, parent: int, pace: Bucket | None) -> list[str]:
+def run_chunked(job: ChunkedJob, maps: _Mappings, parent: int, pace: Bucket | None
+                ) -> list[Any]:
+    from dcp_plus.writers.chunk_encode import encode_pieces, pack, segments
+
+    pieces = [encode_pieces(maps.view(slab, soff, n), spec, maps.old(spec.old, n))
+              for (slab, soff, _, n), spec in zip(job.sink.ranges, job.specs, strict=True)]
+    outcomes, size = pack(pieces)
+    segs = segments(pieces, outcomes)
+    if isinstance(job.sink, UploadJob):
+        upload(job.sink, segs, size, pace)
+    else:
+        # slab views start 4 KiB-aligned (as every part of them does); encoded pieces do not
+        write(job.sink, [(off, data, isinstance(data, memoryview)) for off, data in segs],
+              parent, pace)
+    return outcomes
+
+
+def write(job: WriteJob, segments: list[tuple[int, Any, bool]], parent: int,
+          pace: Bucket | None) -> None:
+    """Write ``(file offset, bytes, aligned in memory)`` segments into ``job.path`` with
+    ``job.streams`` streams, then fsync (``job.fsync``)."""
     def check_parent() -> None:
         if os.getppid() != parent:
             raise ParentGone
 
-    sums = maps.checksums(job.ranges)
-    runs = [r for r in coalesce(job.ranges) if r[3]]
+    segments = [s for s in segments if len(s[1])]
     f = DirectFile(job.path, direct=job.direct, drop_cache=job.drop_cache,
                    between_chunks=check_parent, pace=None if pace is None else pace.take)
     try:
-        if job.streams > 1 and len(runs) > 0:
-            f.preallocate(max(foff + n for _, _, foff, n in runs))
-        in_streams(job.streams, [partial(_write_piece, f, maps, piece)
-                                 for run in runs for piece in _pieces(run)])
+        if job.streams > 1 and segments:
+            f.preallocate(max(off + len(data) for off, data, _ in segments))
+        in_streams(job.streams, [partial(f.write, memoryview(data)[i : i + PIECE], off + i,
+                                         aligned)
+                                 for off, data, aligned in segments
+                                 for i in range(0, len(data), PIECE)])
     except BaseException:
         f.close()
         raise
     f.finish(job.fsync)
-    return sums
-
-
-def _pieces(run: tuple[str, int, int, int]) -> list[tuple[str, int, int, int]]:
-    """``run`` cut into :data:`PIECE`-byte parts (aligned where the run is), one per task
-    of the job's write streams."""
-    slab, soff, foff, n = run
-    return [(slab, soff + i, foff + i, min(PIECE, n - i)) for i in range(0, n, PIECE)]
-
-
-def _write_piece(f: DirectFile, maps: _Mappings, piece: tuple[str, int, int, int]) -> None:
-    slab, soff, foff, n = piece
-    f.write(maps.view(slab, soff, n), foff, aligned=soff % DIRECT_ALIGN == 0)
 
 
 def _exit_with(parent: int) -> None:

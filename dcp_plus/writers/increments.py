@@ -1,0 +1,202 @@
+"""Incremental saves on the writer's side: what each extent is compared with, and the extents
+made of what the writes found.
+
+Every tensor extent of an incremental save is stored as parts
+(:mod:`dcp_plus.format.parts`). With a base (a committed checkpoint beside this one), each
+part whose hash equals the base's part of the same extent is recorded as a reference to
+where the base keeps it and not written; an extent none of whose parts changed becomes a
+whole reference to the base's extent. With ``old`` slabs (the previous snapshot, still in
+shared memory) changed parts may be stored as XOR deltas.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+
+from dcp_plus.errors import CheckpointFormatError, CheckpointNotFoundError, InvalidOptionError
+from dcp_plus.format.checksum import bind_checksum, checksum_bytes
+from dcp_plus.format.extent import Extent, identity_of
+from dcp_plus.format.parts import CHUNKED, DELTA_CODEC, PART_CODECS, Part, own_span, parts_digest
+from dcp_plus.format.record import RECORD_NAME, decode_record, dtype_name
+from dcp_plus.memory.slabs import SlabRef
+from dcp_plus.storage.location import StoreClient
+from dcp_plus.writers.chunk_encode import (
+    DEFAULT_PART_BYTES,
+    ChunkSpec,
+    Outcome,
+    encode_pieces,
+    pack,
+    part_bounds,
+    part_bytes_problem,
+)
+from dcp_plus.writers.codec_choice import CodecChoice
+from dcp_plus.writers.items import ResolvedItem
+from dcp_plus.writers.layout import FilePlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Increments:
+    """A writer's incremental settings (see ``LocalWriter(base=..., part_bytes=...)``).
+
+    Attributes:
+        base: the name of the base checkpoint beside this one (None: a full save whose parts
+            later saves can reference).
+        part_bytes: raw bytes per part.
+        base_required: a missing base fails the save (a user's explicit ``base=``) instead of
+            making it a full one (``CheckpointManager``, whose base may have failed).
+        old: where each item's bytes of the base's snapshot are still in shared memory (XOR
+            deltas; ``CheckpointManager(delta=True)``).
+    """
+
+    base: str | None = None
+    part_bytes: int = DEFAULT_PART_BYTES
+    base_required: bool = True
+    old: Mapping[MetadataIndex, SlabRef] | None = None
+
+    def __post_init__(self) -> None:
+        problem = part_bytes_problem(self.part_bytes)
+        if problem is not None:
+            raise InvalidOptionError(f"part_bytes {problem}")
+
+
+@dataclasses.dataclass
+class Chunking:
+    """One save's plan: a :class:`ChunkSpec` per tensor item and the base's extents."""
+
+    specs: dict[int, ChunkSpec]
+    """By ``id(item)``: every tensor item's (empty ones included)."""
+    base_name: str | None
+    base_extents: Mapping[MetadataIndex, Extent]
+
+    def extent(self, r: ResolvedItem, file: str, outcomes: list[Outcome]) -> Extent:
+        """The extent of item ``r`` written into ``file`` with ``outcomes`` (one per part)."""
+        index = r.item.index
+        td = r.item.tensor_data
+        dname = None if td is None else dtype_name(td.properties.dtype)
+        raw_length = len(r.data)
+        if not outcomes:  # an empty tensor: nothing stored
+            identity = identity_of(index.fqn, index.offset, dname, 0, 0, "identity", None)
+            return Extent(file, 0, 0, 0, "identity",
+                          bind_checksum(checksum_bytes(b""), identity))
+        base = self.base_extents.get(index) if self.specs[id(r)].base is not None else None
+        if base is not None and all(o[1] is None for o in outcomes):
+            return base._replace(base=base.base or self.base_name)
+        holder = None if base is None else base.base or self.base_name
+        parts = []
+        for k, ((a, b), (h, codec, off, length)) in enumerate(zip(
+                part_bounds(raw_length, self.specs[id(r)].part_bytes), outcomes, strict=True)):
+            old = None if base is None or base.parts is None else base.parts[k]
+            if codec is None:
+                assert old is not None and holder is not None
+                parts.append(old.located(holder))
+                continue
+            against = None
+            if codec == DELTA_CODEC:
+                assert old is not None and holder is not None
+                against = old.located(holder)
+            parts.append(Part(h, b - a, codec, file, off, length, None, against))
+        span = own_span(tuple(parts))
+        assert span is not None  # some part changed: stored here
+        identity = identity_of(index.fqn, index.offset, dname, raw_length, span[2], CHUNKED,
+                               None)
+        return Extent(span[0], span[1], span[2], raw_length, CHUNKED,
+                      bind_checksum(parts_digest(tuple(parts)), identity),
+                      parts=tuple(parts))
+
+
+def plan_chunking(writer: StoreClient, inc: Increments, items: list[ResolvedItem],
+                  codecs: CodecChoice) -> Chunking:
+    """This rank's :class:`Chunking`: the base's record read (if there is one) and each
+    tensor item compared with the base's extent of the same index."""
+    base_md = _read_base(writer, inc)
+    extents: Mapping[MetadataIndex, Extent] = {} if base_md is None else base_md.storage_data
+    sd = {} if base_md is None else base_md.state_dict_metadata
+    specs = {}
+    for r in items:
+        td = r.item.tensor_data
+        if td is None:
+            continue
+        codec = codecs.codec_for(r.fqn).name
+        if codec not in PART_CODECS:
+            raise CheckpointFormatError(f"tensor {r.fqn!r}: codec {codec!r} cannot store the "
+                                        "parts of an incremental checkpoint (use identity, "
+                                        "zstd or zstd+shuffle)")
+        index = r.item.index
+        base = extents.get(index)
+        hashes = None
+        md = sd.get(index.fqn)
+        if (base is not None and base.parts is not None and isinstance(md, TensorStorageMetadata)
+                and md.properties.dtype == td.properties.dtype
+                and [p.raw for p in base.parts]
+                == [b - a for a, b in part_bounds(len(r.data), inc.part_bytes)]):
+            hashes = tuple(p.hash for p in base.parts)
+        old = None if inc.old is None or hashes is None else inc.old.get(index)
+        if old is not None and (old.length != len(r.data) or (r.slab is not None and (
+                old.slab, old.offset) == (r.slab.slab, r.slab.offset))):
+            old = None  # one buffer for both snapshots: the old bytes are gone
+        specs[id(r)] = ChunkSpec(inc.part_bytes, hashes, codec, td.properties.dtype.itemsize,
+                                 None if old is None else (old.slab, old.offset))
+    return Chunking(specs, None if base_md is None else inc.base, extents)
+
+
+def _read_base(writer: StoreClient, inc: Increments) -> Metadata | None:
+    if inc.base is None:
+        return None
+    other = writer.sibling(inc.base)
+    try:
+        data = other._store.get(RECORD_NAME)
+        if data is None:
+            if inc.base_required:
+                raise CheckpointNotFoundError(
+                    f"{other.path}: the base of incremental checkpoint {writer.path} has no "
+                    f"commit record {RECORD_NAME}: pass a committed checkpoint as base")
+            log.warning("%s: base %s is not committed; this save is a full one", writer.path,
+                        other.path)
+            return None
+        return decode_record(data, f"{other.path}/{RECORD_NAME}")
+    finally:
+        other._close_store()
+
+
+def chunked_file(fp: FilePlan, specs: Mapping[int, ChunkSpec]) -> bool:
+    """Whether ``fp`` holds extents stored as parts (files never mix them with others)."""
+    return any(id(r) in specs for r, _ in fp.placed)
+
+
+def encode_files(files: list[FilePlan], specs: Mapping[int, ChunkSpec]
+                 ) -> tuple[list[FilePlan], dict[int, list[Outcome]]]:
+    """In this process: the chunked files of ``files`` replaced by files of their stored
+    pieces (packed), and each chunked item's outcomes by ``id(item)``."""
+    out, outcomes = [], {}
+    for fp in files:
+        if not chunked_file(fp, specs):
+            out.append(fp)
+            continue
+        pieces = [encode_pieces(r.data, specs[id(r)]) for r, _ in fp.placed]
+        rows, _ = pack(pieces)
+        packed = FilePlan(fp.name)
+        for (r, _), ps, os_ in zip(fp.placed, pieces, rows, strict=True):
+            outcomes[id(r)] = os_
+            packed.placed += [(ResolvedItem(r.item, memoryview(p.data), None), o[2])
+                              for p, o in zip(ps, os_, strict=True) if p.data is not None]
+        out.append(packed)
+    return out, outcomes
+
+
+def stored_bytes(files: list[FilePlan], specs: Mapping[int, ChunkSpec],
+                 sums: Mapping[int, object]) -> int:
+    """The bytes the save's data files hold: planned sizes, or for files of parts, the
+    pieces stored in them."""
+    total = 0
+    for fp in files:
+        if not chunked_file(fp, specs):
+            total += fp.size
+            continue
+        total += sum(o[3] for r, _ in fp.placed for o in sums[id(r)])  # type: ignore[attr-defined]
+    return total
