@@ -168,3 +168,16 @@ def own_span(parts: tuple[Part, ...]) -> tuple[str, int, int] | None:
         raise ValueError(f"its own parts lie in {len(files)} files")
     start = min(p.offset for p in own)
     return own[0].file, start, max(p.offset + p.length for p in own) - start
+
+
+def spans(ext: Any) -> list[tuple[str | None, str, int]]:
+    """``(checkpoint, file, end)`` of every stored byte range an extent needs (checkpoint
+    None: the one whose record holds it), references and delta chains included."""
+    if ext.parts is None:
+        return [(ext.base, ext.file, ext.offset + ext.length)]
+    out = []
+    for p in ext.parts:
+        while p is not None:
+            out.append((p.where or ext.base, p.file, p.offset + p.length))
+            p = p.against
+    return out

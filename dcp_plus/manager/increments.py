@@ -10,6 +10,7 @@ from typing import Any
 
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.manager.handle import SaveHandle
+from dcp_plus.storage.location import sibling_name
 from dcp_plus.writers.base import CommittingWriter
 from dcp_plus.writers.increments import Increments
 
@@ -69,7 +70,7 @@ class Chain:
         if not full and self.options.delta:
             assert self._base is not None
             old = self._base[1].last_slabs
-        base = None if full or self._base is None else self._base[0].rstrip("/").rpartition("/")[2]
+        base = None if full or self._base is None else sibling_name(writer.path, self._base[0])
         writer.increments = Increments(base, self.part_bytes, base_required=False, old=old)
         self._count += 1
         self._pending = (path, writer, handle)

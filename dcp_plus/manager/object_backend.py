@@ -19,6 +19,7 @@ from dcp_plus.format.key_prefix import (
     encode_marker,
     insert_prefix,
 )
+from dcp_plus.format.parts import spans
 from dcp_plus.format.record import RECORD_NAME, decode_record
 from dcp_plus.manager.lease import MAX_LEASE_RECORD_BYTES, LeaseStore
 from dcp_plus.manager.options import ObjectStoreReaderOptions, ObjectStoreWriterOptions
@@ -95,21 +96,25 @@ class ObjectStoreBackend:
         try:
             md = decode_record(fs.cat_file(f"{p}/{RECORD_NAME}"), self.join(path, RECORD_NAME))
             problems = []
-            sizes: dict[str, int | None] = {}
+            sizes: dict[tuple[str | None, str], int | None] = {}
             for index, ext in md.storage_data.items():
-                if ext.file not in sizes:
+                for where, file, end in spans(ext):
                     if ext.prefix is not None and not prefixable(path):
                         raise DcpPlusError(f"{path}: its record names key prefixes, which "
                                            "this store does not take")
-                    folder = p if ext.prefix is None else insert_prefix(p, ext.prefix)
-                    try:
-                        sizes[ext.file] = int(fs.size(f"{folder}/{ext.file}"))
-                    except FileNotFoundError:
-                        sizes[ext.file] = None
-                size = sizes[ext.file]
-                if size is None or ext.offset + ext.length > size:
-                    problems.append(f"{self.join(path, ext.file)}: extent of {index.fqn!r} "
-                                    f"missing or past the end ({size} bytes)")
+                    if (where, file) not in sizes:
+                        folder = p if where is None else f"{p.rpartition('/')[0]}/{where}"
+                        folder = folder if ext.prefix is None else insert_prefix(folder,
+                                                                                 ext.prefix)
+                        try:
+                            sizes[where, file] = int(fs.size(f"{folder}/{file}"))
+                        except FileNotFoundError:
+                            sizes[where, file] = None
+                    size = sizes[where, file]
+                    if size is None or end > size:
+                        shown = file if where is None else f"../{where}/{file}"
+                        problems.append(f"{self.join(path, shown)}: extent of {index.fqn!r} "
+                                        f"missing or past the end ({size} bytes)")
             return problems
         except (OSError, ValueError, DcpPlusError) as e:
             return [f"{path}: {e}"]

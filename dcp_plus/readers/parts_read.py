@@ -19,13 +19,10 @@ from typing import Any, Protocol
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from dcp_plus.errors import CorruptCheckpointError
-from dcp_plus.format.codecs import get_codec
-from dcp_plus.format.delta import decode_delta_into
 from dcp_plus.format.extent import Extent, extent_identity
-from dcp_plus.format.parts import DELTA_CODEC, Part, part_hash, parts_digest
+from dcp_plus.format.parts import Part, parts_digest, spans
 from dcp_plus.readers.extents import check_digest, check_extent_bounds
-from dcp_plus.storage.fanout import fan_out
+from dcp_plus.readers.part_fill import PartBatch
 
 
 class ExtentReader(Protocol):
@@ -88,14 +85,8 @@ def check_references(reader: ExtentReader, siblings: Siblings,
     """
     wanted: dict[str | None, list[tuple[str, Extent]]] = defaultdict(list)
     for what, ext in extents:
-        if ext.parts is None:
-            wanted[ext.base].append((what, ext))
-            continue
-        for p in ext.parts:
-            while p is not None:
-                wanted[p.where or ext.base].append(
-                    (what, Extent(p.file, p.offset, p.length, p.raw, p.codec, "")))
-                p = p.against  # type: ignore[assignment]
+        for where, file, end in spans(ext):
+            wanted[where].append((what, Extent(file, 0, end, end, "identity", "")))
     for name, refs in wanted.items():
         other = siblings.get(name)
         sizes = other._store.sizes(sorted({e.file for _, e in refs}))
@@ -104,37 +95,47 @@ def check_references(reader: ExtentReader, siblings: Siblings,
         check_extent_bounds(refs, sizes.__getitem__, partial(_located, other, where))
 
 
+BATCH_BYTES = 64 << 20
+"""Destination and scratch bytes of the parts read and decoded together."""
+
+
 def read_parts(reader: ExtentReader, siblings: Siblings,
                by_extent: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner,
                describe: Callable[[MetadataIndex], str], dtype_of: Callable[[MetadataIndex],
                                                                             str | None]) -> None:
     """Read, verify (``reader.verify``) and deliver the extents of ``by_extent``, each of
-    which :func:`needs_parts`."""
+    which :func:`needs_parts`: parts in batches of :data:`BATCH_BYTES`, each extent
+    delivered once its last batch is done."""
     whole: dict[str | None, dict[MetadataIndex, list[ReadItem]]] = defaultdict(dict)
-    tasks: list[Callable[[], None]] = []
-    finishes: list[Callable[[], None]] = []
-    for index, reqs in by_extent.items():
-        ext = reader._extent(index)
-        if ext.parts is None:  # a whole extent of a base, read as that base's own
-            whole[ext.base][index] = reqs
-            continue
-        what = describe(index)
-        if reader.verify:
-            check_digest(parts_digest(ext.parts), ext, what, reader.path,
-                         extent_identity(index, dtype_of(index), ext))
-        raw, deliver = reader._raw_destination(index, ext, reqs, planner)
-        start = 0
-        for p in ext.parts:
-            region = raw[start : start + p.raw]
-            start += p.raw
-            tasks.append(partial(fill_part, reader, siblings, p, ext.base, region, what))
-        finishes.append(deliver)
+    with ThreadPoolExecutor(reader.threads, thread_name_prefix="dcpp-parts") as pool:
+        batch = PartBatch(reader.verify)
+        waiting: list[Callable[[], None]] = []
+        for index, reqs in by_extent.items():
+            ext = reader._extent(index)
+            if ext.parts is None:  # a whole extent of a base, read as that base's own
+                whole[ext.base][index] = reqs
+                continue
+            what = describe(index)
+            if reader.verify:
+                check_digest(parts_digest(ext.parts), ext, what, reader.path,
+                             extent_identity(index, dtype_of(index), ext))
+            raw, deliver = reader._raw_destination(index, ext, reqs, planner)
+            start = 0
+            for p in ext.parts:
+                if batch.nbytes >= BATCH_BYTES:
+                    batch.run(siblings.get, pool)
+                    batch = PartBatch(reader.verify)
+                    for ready in waiting:
+                        ready()
+                    waiting = []
+                batch.add(p, ext.base, raw[start : start + p.raw], what)
+                start += p.raw
+            waiting.append(deliver)
+        batch.run(siblings.get, pool)
+        for ready in waiting:
+            ready()
     for name, group in whole.items():
         siblings.get(name)._read_extents(group, planner)
-    with ThreadPoolExecutor(reader.threads, thread_name_prefix="dcpp-parts") as pool:
-        fan_out(lambda task: task(), tasks, pool)
-    for deliver in finishes:
-        deliver()
 
 
 def _located(other: ExtentReader, where: str, name: str) -> str:
@@ -142,27 +143,9 @@ def _located(other: ExtentReader, where: str, name: str) -> str:
 
 
 def fill_part(reader: ExtentReader, siblings: Siblings, p: Part, holder: str | None,
-          out: memoryview, what: str) -> None:
+              out: memoryview, what: str) -> None:
     """Part ``p`` (in checkpoint ``p.where``, else ``holder``) decoded into ``out``."""
-    source = siblings.get(p.where or holder)
-    where = f"{source._location(p.file)}: {what}"
-    if p.codec == "identity":
-        source._fill(p.file, [(p.offset, out)], what)
-    else:
-        stored = bytearray(p.length)
-        source._fill(p.file, [(p.offset, memoryview(stored))], what)
-        try:
-            if p.codec == DELTA_CODEC:
-                assert p.against is not None  # validated with the record
-                old = bytearray(p.raw)
-                fill_part(reader, siblings, p.against, holder, memoryview(old), what)
-                decode_delta_into(memoryview(stored), old, out)
-            else:
-                get_codec(p.codec).decode_into(memoryview(stored), out)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{where}: cannot decode {p.codec} part at "
-                                         f"{p.offset}: {e}") from None
-    if reader.verify and part_hash(out) != p.hash:
-        raise CorruptCheckpointError(
-            f"{where}: checksum mismatch in the part at {p.offset} ({p.raw} bytes): the stored "
-            "bytes do not match what the record says; the data file is corrupt")
+    batch = PartBatch(reader.verify)
+    batch.add(p, holder, out, what)
+    with ThreadPoolExecutor(1) as pool:
+        batch.run(siblings.get, pool)

@@ -79,8 +79,11 @@ class StoreClient(abc.ABC):
 
 
 def sibling_path(path: str, name: str) -> str:
-    """The location of checkpoint ``name`` beside ``path`` (a directory or a URL)."""
-    return f"{path.rsplit('/', 1)[0]}/{name}" if "/" in path else name
+    """The location of checkpoint ``name`` beside ``path`` (a directory or a URL; a URL's
+    query, e.g. ``nfs://...?version=4.1``, is kept)."""
+    where, sep, query = path.partition("?")
+    parent = where.rpartition("/")[0]
+    return f"{parent}/{name}{sep}{query}" if "/" in where else f"{name}{sep}{query}"
 
 
 def sibling_name(path: str, other: str | os.PathLike) -> str:
@@ -90,11 +93,10 @@ def sibling_name(path: str, other: str | os.PathLike) -> str:
         InvalidOptionError: ``other`` lies elsewhere (references never leave a checkpoint's
             parent directory, so that a record cannot point at arbitrary files).
     """
-    text = normalize_location(other)
-    if not is_url(text) and not is_url(path):
-        text, here = os.path.abspath(text), os.path.abspath(path)
-    else:
-        here = path
+    text = normalize_location(other).partition("?")[0].rstrip("/")
+    here = path.partition("?")[0].rstrip("/")
+    if not is_url(text) and not is_url(here):
+        text, here = os.path.abspath(text), os.path.abspath(here)
     parent, _, name = text.rpartition("/")
     if parent != here.rpartition("/")[0] or not name or name == here.rpartition("/")[2]:
         raise InvalidOptionError(

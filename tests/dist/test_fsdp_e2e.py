@@ -37,12 +37,17 @@ def _mesh(shape: list[int]) -> Any:
 # Cases (run inside the worlds)
 
 
-def train_and_save(rank: int, world: int, root: str, layout: str) -> dict[str, Any]:
+def train_and_save(rank: int, world: int, root: str, layout: str,
+                   incremental: bool = False) -> dict[str, Any]:
     """Steps 0-1, async save A, step 2 (guarded), async save B, steps 3-4 while B persists.
 
     Writes the full tensors of the state B snapshotted to ``{root}/{layout}_ref.pt`` (rank 0)
-    and returns the losses of steps 3 and 4 and whether save B reused A's plan.
+    and returns the losses of steps 3 and 4 and whether save B reused A's plan. With
+    ``incremental``, B is an incremental checkpoint on A: its parts XOR deltas against A's
+    snapshot, which the stager's second buffer still holds.
     """
+    import dataclasses
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -56,26 +61,30 @@ def train_and_save(rank: int, world: int, root: str, layout: str) -> dict[str, A
         train_step,
     )
 
-    model = shard(build_model(seed=0), _mesh(LAYOUTS[layout]))
+    model = shard(build_model(seed=0), _mesh(LAYOUTS[layout.removesuffix("_incr")]))
     opt = build_optimizer(model)
     for step in range(2):
         train_step(model, opt, step)
     save_group = dist.new_group(backend="gloo")  # saves run while training uses the default group
     planner = CachedSavePlanner()
-    with ArenaStager() as stager:
+    writer_a = LocalWriter(f"{root}/{layout}/a", incremental=incremental)
+    writer_b = LocalWriter(f"{root}/{layout}/b", **(
+        {"base": f"{root}/{layout}/a"} if incremental else {}))
+    with ArenaStager(buffers=2 if incremental else 1) as stager:
         stager.guard(opt)
         resp_a = dcp.async_save(state_of(model, opt), planner=planner, async_stager=stager,
-                                storage_writer=LocalWriter(f"{root}/{layout}/a"),
-                                process_group=save_group)
+                                storage_writer=writer_a, process_group=save_group)
         train_step(model, opt, 2)  # its optimizer.step() waits for snapshot A
         resp_a.upload_completion.result()
         first_hit = planner.last_was_hit
 
         sd = state_of(model, opt)
         ref = flat_tensors(sd)
+        if incremental:
+            writer_b.increments = dataclasses.replace(writer_b.increments,
+                                                      old=writer_a.last_slabs)
         resp_b = dcp.async_save(sd, planner=planner, async_stager=stager,
-                                storage_writer=LocalWriter(f"{root}/{layout}/b"),
-                                process_group=save_group)
+                                storage_writer=writer_b, process_group=save_group)
         del sd
         losses = [train_step(model, opt, 3), train_step(model, opt, 4)]
         resp_b.upload_completion.result()
@@ -131,6 +140,7 @@ def world4(tmp_path_factory):
     Path(root).mkdir()
     # run_world keys results by function name: one small wrapper per layout and world size
     cases = [(f"{THIS}:save_fsdp", {"root": root}), (f"{THIS}:save_hsdp", {"root": root}),
+             (f"{THIS}:save_fsdp_incr", {"root": root}),
              (f"{THIS}:load_fsdp_at_4", {"root": root}),
              (f"{THIS}:load_hsdp_at_4", {"root": root})]
     return Path(root), run_world(4, cases, work)
@@ -142,6 +152,14 @@ def save_fsdp(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def save_hsdp(rank: int, world: int, root: str) -> dict[str, Any]:
     return train_and_save(rank, world, root, "hsdp")
+
+
+def save_fsdp_incr(rank: int, world: int, root: str) -> dict[str, Any]:
+    return train_and_save(rank, world, root, "fsdp_incr", incremental=True)
+
+
+def load_fsdp_incr_at_2(rank: int, world: int, root: str) -> dict[str, Any]:
+    return load_and_resume(rank, world, root, "fsdp_incr", [2], steps=1)
 
 
 def load_fsdp_at_4(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -167,7 +185,8 @@ def world2(world4, tmp_path_factory):
     assert_case_ok(results, "save_hsdp")
     work = tmp_path_factory.mktemp("fsdp2")
     return run_world(2, [(f"{THIS}:load_fsdp_at_2", {"root": str(root)}),
-                         (f"{THIS}:load_hsdp_at_2_as_fsdp", {"root": str(root)})], work)
+                         (f"{THIS}:load_hsdp_at_2_as_fsdp", {"root": str(root)}),
+                         (f"{THIS}:load_fsdp_incr_at_2", {"root": str(root)})], work)
 
 
 def _saved(world4: Any, layout: str) -> tuple[Path, list[dict[str, Any]]]:
@@ -220,13 +239,25 @@ def test_loads_bit_exact_at_four_ranks_and_resumes_with_the_same_losses(world4, 
 
 
 @pytest.mark.parametrize("case,layout", [("load_fsdp_at_2", "fsdp"),
-                                         ("load_hsdp_at_2_as_fsdp", "hsdp")])
+                                         ("load_hsdp_at_2_as_fsdp", "hsdp"),
+                                         ("load_fsdp_incr_at_2", "fsdp_incr")])
 def test_reshards_bit_exact_at_two_ranks_with_the_same_next_loss(world4, world2, case, layout):
     _, saved = _saved(world4, layout)
 
     loaded = assert_case_ok(world2, case)
 
     assert [v["losses"] for v in loaded] == [saved[0]["losses"][:1]] * 2
+
+
+def test_an_incremental_fsdp_checkpoint_stores_deltas_against_its_base(world4):
+    root, saved = _saved(world4, "fsdp_incr")
+    record = json.loads((root / "fsdp_incr" / "b" / ".metadata").read_text())
+
+    assert record["version"] == 5 and record["bases"] == ["a"]
+    codecs = {p["codec"] for e in record["extents"] for p in e.get("parts") or []}
+    assert "xor+zstd+shuffle" in codecs, codecs
+    # the same training as the plain FSDP run: same losses while B persisted
+    assert [v["losses"] for v in saved] == [v["losses"] for v in _saved(world4, "fsdp")[1]]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

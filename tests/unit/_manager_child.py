@@ -1,7 +1,8 @@
 """A trainer driven by ``CheckpointManager``, for the kill tests (``test_manager_crash.py``).
 
 Usage: ``python -m tests.unit._manager_child ROOT SPEC_JSON OUT_JSON``. SPEC holds ``until``
-(last step to train), ``every`` (EveryN interval), ``keep_last`` and ``kills``: a list of
+(last step to train), ``every`` (EveryN interval), ``keep_last``, ``manager`` (more
+``CheckpointManager`` keywords, optional) and ``kills``: a list of
 ``{"target": "trainer"|"worker", "phase": stage|persist|commit|retention, "nth": n,
 "delay_ms": d}``: at the n-th save of this run, in that phase, after ``d`` ms, SIGKILL this
 process (trainer) or one of its writer workers (worker). A trainer kill first writes the pids
@@ -133,7 +134,8 @@ def main(root: str, spec_path: str, out: str) -> int:
     killer = Killer(root, spec["kills"], out)
     manager = CheckpointManager(root, keep_last=spec["keep_last"],
                                 interval=EveryN(spec["every"]), on_phase=killer,
-                                writer_options=LocalWriterOptions(workers=2), takeover=True)
+                                writer_options=LocalWriterOptions(workers=2), takeover=True,
+                                **spec.get("manager", {}))
     model, opt, ballast = build()
     # a scratch load target: get_state_dict() of a fresh optimizer takes a zero-lr step
     scratch_model, scratch_opt, scratch_ballast = build(seed=1)

@@ -68,7 +68,8 @@ def no_slabs_of(pids: list[int]) -> bool:
     return not any(n.startswith(f"dcpp-{pid}-") for pid in pids for n in names)
 
 
-def trainer_kills(tmp_path: Path, n: int, seed: int) -> None:
+def trainer_kills(tmp_path: Path, n: int, seed: int,
+                  manager: dict[str, Any] | None = None, retention_nth: int = 3) -> None:
     rng = random.Random(seed)
     root = tmp_path / "ckpt"
     phases = [PHASES[i % 4] for i in range(n)]
@@ -81,10 +82,10 @@ def trainer_kills(tmp_path: Path, n: int, seed: int) -> None:
         if i < n:
             phase = phases[i]
             kill = {"target": "trainer", "phase": phase,
-                    "nth": 3 if phase == "retention" else rng.randint(1, 3),
+                    "nth": retention_nth if phase == "retention" else rng.randint(1, 3),
                     "delay_ms": rng.randint(0, 25 if phase == "persist" else 3)}
         spec = {"until": (newest or 0) + 4 * EVERY, "every": EVERY, "keep_last": 2,
-                "kills": [kill] if kill else []}
+                "kills": [kill] if kill else [], "manager": manager or {}}
         rc, report, out = run_child(tmp_path, root, spec, i)
         pids.append(report["pid"])
         check_restart(report, newest, leftovers)
@@ -135,6 +136,20 @@ def test_trainer_sigkilled_in_each_phase_restarts_from_a_bit_exact_latest(tmp_pa
     trainer_kills(tmp_path, n=4, seed=1)
 
 
+INCREMENTAL = {"incremental": True, "full_every": 2, "delta": True}
+"""Chains of 2 (a run's saves 1 and 3 are full): retention first removes a whole chain at a
+run's 4th save, where a retention-phase kill is aimed."""
+
+
+def test_sigkills_during_incremental_saves_never_damage_a_base_nor_expose_a_child(tmp_path):
+    """Each restart resumes bit-exact from the newest committed link; every committed
+    checkpoint verifies with its references followed (retention kept every base)."""
+    trainer_kills(tmp_path, n=4, seed=5, manager=INCREMENTAL, retention_nth=4)
+    rec = json.loads(record_path(tmp_path / "ckpt" / f"step_{committed(tmp_path / 'ckpt')[-1]:08d}")
+                     .read_bytes())
+    assert rec["version"] == 5
+
+
 def test_writer_worker_sigkilled_fails_only_that_save_and_training_goes_on(tmp_path):
     worker_kills(tmp_path, n=4, per_child=4, seed=2)
 
@@ -143,6 +158,12 @@ def test_writer_worker_sigkilled_fails_only_that_save_and_training_goes_on(tmp_p
 @pytest.mark.timeout(1800)
 def test_fifty_random_trainer_sigkills(tmp_path):
     trainer_kills(tmp_path, n=50, seed=11)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_thirty_random_trainer_sigkills_during_incremental_saves(tmp_path):
+    trainer_kills(tmp_path, n=30, seed=13, manager=INCREMENTAL, retention_nth=4)
 
 
 @pytest.mark.slow
