@@ -53,11 +53,13 @@ class ChunkSpec:
 
 
 class Piece(NamedTuple):
-    """What one part stores: ``codec`` None when it equals the base's part (``data`` None)."""
+    """What one part of ``raw`` bytes stores: ``codec`` None when it equals the base's part
+    (``data`` None)."""
 
     hash: str
     codec: str | None
     data: memoryview | bytes | None
+    raw: int
 
 
 Outcome = tuple[str, str | None, int, int]
@@ -80,7 +82,7 @@ def encode_pieces(raw: memoryview, spec: ChunkSpec, old: memoryview | None = Non
         new = raw[a:b]
         h = part_hash(new)
         if base is not None and base[k] == h:
-            out.append(Piece(h, None, None))
+            out.append(Piece(h, None, None, b - a))
             continue
         stored: memoryview | bytes = new if codec is None else codec.encode(new, spec.itemsize)
         name = spec.codec
@@ -88,7 +90,7 @@ def encode_pieces(raw: memoryview, spec: ChunkSpec, old: memoryview | None = Non
             delta = _delta(new, old[a:b], base[k], spec.itemsize)
             if delta is not None and len(delta) < len(stored):
                 stored, name = delta, DELTA_CODEC
-        out.append(Piece(h, name, stored))
+        out.append(Piece(h, name, stored, b - a))
     return out
 
 
@@ -102,8 +104,10 @@ def _delta(new: memoryview, old: memoryview, old_hash: str, itemsize: int) -> by
 
 
 def pack(pieces: list[list[Piece]], start: int = 0) -> tuple[list[list[Outcome]], int]:
-    """Offsets for the stored pieces of several extents, one after the other, each 4 KiB-
-    aligned (so slab views are written with O_DIRECT); the outcomes and the file's size."""
+    """Offsets for the stored pieces of several extents, one after the other: raw views
+    4 KiB-aligned (slab views are written with O_DIRECT straight from the slab), encoded
+    pieces packed tight (written from their own buffers, so alignment would only add
+    padding to every small delta); the outcomes and the file's size."""
     cursor = start
     end = start
     out = []
@@ -113,7 +117,8 @@ def pack(pieces: list[list[Piece]], start: int = 0) -> tuple[list[list[Outcome]]
             if p.data is None:
                 rows.append((p.hash, None, 0, 0))
                 continue
-            cursor = align_up(cursor, ALIGNMENT)
+            if isinstance(p.data, memoryview):
+                cursor = align_up(cursor, ALIGNMENT)
             rows.append((p.hash, p.codec, cursor, len(p.data)))
             cursor += len(p.data)
             end = cursor
@@ -121,8 +126,25 @@ def pack(pieces: list[list[Piece]], start: int = 0) -> tuple[list[list[Outcome]]
     return out, end
 
 
-def segments(pieces: list[list[Piece]], outcomes: list[list[Outcome]]
-             ) -> list[tuple[int, memoryview | bytes]]:
-    """``(offset, bytes)`` of every stored piece."""
-    return [(o[2], p.data) for ps, os_ in zip(pieces, outcomes, strict=True)
-            for p, o in zip(ps, os_, strict=True) if p.data is not None]
+def segments(pieces: list[list[Piece]], outcomes: list[list[Outcome]],
+             raws: list[memoryview]) -> list[tuple[int, memoryview | bytes]]:
+    """``(offset, bytes)`` of every stored piece; raw pieces that follow one another both in
+    their extent ``raws[i]`` and in the file become one segment (one large write)."""
+    out: list[tuple[int, memoryview | bytes]] = []
+    for ps, rows, raw in zip(pieces, outcomes, raws, strict=True):
+        run: list[int] | None = None  # [file offset, start in raw, end in raw]
+        at = 0
+        for p, (_, _, off, _) in zip(ps, rows, strict=True):
+            if isinstance(p.data, memoryview):
+                if run is not None and run[0] + run[2] - run[1] == off and run[2] == at:
+                    run[2] += p.raw
+                else:
+                    if run is not None:
+                        out.append((run[0], raw[run[1] : run[2]]))
+                    run = [off, at, at + p.raw]
+            elif p.data is not None:
+                out.append((off, p.data))
+            at += p.raw
+        if run is not None:
+            out.append((run[0], raw[run[1] : run[2]]))
+    return out

@@ -212,10 +212,11 @@ def run_chunked(job: ChunkedJob, maps: _Mappings, parent: int, pace: Bucket | No
                 ) -> list[Any]:
     from dcp_plus.writers.chunk_encode import encode_pieces, pack, segments
 
-    pieces = [encode_pieces(maps.view(slab, soff, n), spec, maps.old(spec.old, n))
-              for (slab, soff, _, n), spec in zip(job.sink.ranges, job.specs, strict=True)]
+    raws = [maps.view(slab, soff, n) for slab, soff, _, n in job.sink.ranges]
+    pieces = [encode_pieces(raw, spec, maps.old(spec.old, len(raw)))
+              for raw, spec in zip(raws, job.specs, strict=True)]
     outcomes, size = pack(pieces)
-    segs = segments(pieces, outcomes)
+    segs = segments(pieces, outcomes, raws)
     if isinstance(job.sink, UploadJob):
         upload(job.sink, segs, size, pace)
     else:
