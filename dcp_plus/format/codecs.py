@@ -15,6 +15,7 @@ its *stored* bytes, so corruption is detected before anything is decoded.
 from __future__ import annotations
 
 import struct
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -186,12 +187,31 @@ class ZstdCodec:
             if len(data) != len(dst):
                 raise ValueError(f"a frame decoded to {len(data)} bytes, expected {len(dst)}")
             if k > 1:
-                planes = np.frombuffer(data, dtype=np.uint8).reshape(k, -1)
-                np.asarray(dst).reshape(-1, k)[:] = planes.T
+                _unshuffle_into(np.frombuffer(data, dtype=np.uint8).reshape(k, -1), dst, k)
             else:
                 dst[:] = data
 
         self._map(frame, jobs)
+
+
+_WIDE = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _unshuffle_into(planes: np.ndarray, dst: memoryview, k: int) -> None:
+    """Interleave ``k`` byte planes back into elements of ``dst``: on a little-endian
+    machine as ``k``-byte integers built from shifted planes (4x faster here than a strided
+    transposed copy, which is the fallback)."""
+    out = np.frombuffer(dst, dtype=np.uint8)
+    wide = _WIDE.get(k) if sys.byteorder == "little" else None
+    if wide is None:
+        out.reshape(-1, k)[:] = planes.T
+        return
+    d = out.view(wide)
+    d[:] = planes[0]
+    tmp = np.empty(len(d), dtype=wide)
+    for i in range(1, k):
+        np.left_shift(planes[i], 8 * i, out=tmp, dtype=wide)
+        np.bitwise_or(d, tmp, out=d)
 
 
 IDENTITY = IdentityCodec()

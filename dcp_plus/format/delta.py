@@ -2,7 +2,8 @@
 
 Where few elements of a piece changed (sparse embedding rows, a few weights), the XOR of new
 and old bytes is zero almost everywhere, and the high bytes of changed floats mostly agree:
-byte planes (shuffle) of the XOR compress to a small fraction of the piece. The stored form
+byte planes (shuffle) of the XOR compress to a small fraction of the piece (taken only where
+many bytes changed: the frame header says whether they were). The stored form
 is a :class:`~dcp_plus.format.codecs.ZstdCodec` extent of the XOR, so decoding is "decode the
 frames, XOR with the old bytes"; lossless for every dtype.
 """
@@ -14,6 +15,9 @@ from functools import cache
 import numpy as np
 
 from dcp_plus.format.codecs import ZstdCodec
+
+SHUFFLE_ABOVE = 8
+"""Byte planes are taken only when more than 1 / SHUFFLE_ABOVE of the XOR's bytes are set."""
 
 
 @cache
@@ -43,7 +47,10 @@ def encode_delta(new: memoryview, old: memoryview | bytes | bytearray, itemsize:
     tensor's element size (the shuffle's plane count)."""
     x = bytearray(new)
     xor_into(memoryview(x), old)
-    return _codec(level).encode(memoryview(x), itemsize)
+    # byte planes cost more time than they save where few bytes changed (sparse rows: 6x
+    # slower for 15 % less); where most did (dense optimizer moments) they save 15 %
+    dense = np.count_nonzero(np.frombuffer(x, dtype=np.uint8)) * SHUFFLE_ABOVE > len(x)
+    return _codec(level).encode(memoryview(x), itemsize if dense else 1)
 
 
 def decode_delta_into(stored: memoryview, old: memoryview | bytes | bytearray,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from dcp_plus.errors import CorruptCheckpointError
 from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.delta import decode_delta_into
 from dcp_plus.format.parts import DELTA_CODEC, Part, part_hash
-from dcp_plus.storage.fanout import fan_out
+from dcp_plus.storage.fanout import fan_out, gather
 
 Source = Callable[[str | None], Any]
 """The reader of a checkpoint by name (None: the one being read)."""
@@ -41,6 +41,7 @@ class PartBatch:
         default_factory=lambda: defaultdict(list))
     nbytes: int = 0
     """Bytes of destination and scratch the batch holds."""
+    _pending: list[Future[None]] = field(default_factory=list)
 
     def add(self, part: Part, holder: str | None, out: memoryview, what: str) -> None:
         """Fill ``out`` with ``part`` (of a record whose own parts lie in ``holder``)."""
@@ -61,11 +62,21 @@ class PartBatch:
 
     def run(self, source: Source, pool: Executor) -> None:
         """Issue the reads (one request list per file), then decode and check every part."""
+        self.start(source, pool)
+        self.finish(source, pool)
+
+    def start(self, source: Source, pool: Executor) -> None:
+        """Issue the reads on ``pool`` (one request list per file) and return: the next
+        batch's reads overlap this one's decoding."""
         def read(key: tuple[str | None, str]) -> None:
             reads = sorted(self.reads[key], key=lambda r: r[0])
             source(key[0])._fill(key[1], reads, f"the parts of {self._what(key)}")
 
-        fan_out(read, list(self.reads), pool)
+        self._pending = [pool.submit(read, key) for key in self.reads]
+
+    def finish(self, source: Source, pool: Executor) -> None:
+        """Wait for the reads, then decode and check every part (on ``pool``)."""
+        gather(self._pending)
         fan_out(lambda n: self._finish(n, source), self.nodes, pool)
 
     def _what(self, key: tuple[str | None, str]) -> str:

@@ -110,6 +110,16 @@ def read_parts(reader: ExtentReader, siblings: Siblings,
     with ThreadPoolExecutor(reader.threads, thread_name_prefix="dcpp-parts") as pool:
         batch = PartBatch(reader.verify)
         waiting: list[Callable[[], None]] = []
+        previous: tuple[PartBatch, list[Callable[[], None]]] | None = None
+
+        def turn() -> None:  # start this batch's reads, then decode the previous batch
+            nonlocal batch, waiting, previous
+            batch.start(siblings.get, pool)
+            if previous is not None:
+                _finish(*previous, siblings, pool)
+            previous = batch, waiting
+            batch, waiting = PartBatch(reader.verify), []
+
         for index, reqs in by_extent.items():
             ext = reader._extent(index)
             if ext.parts is None:  # a whole extent of a base, read as that base's own
@@ -123,19 +133,23 @@ def read_parts(reader: ExtentReader, siblings: Siblings,
             start = 0
             for p in ext.parts:
                 if batch.nbytes >= BATCH_BYTES:
-                    batch.run(siblings.get, pool)
-                    batch = PartBatch(reader.verify)
-                    for ready in waiting:
-                        ready()
-                    waiting = []
+                    turn()
                 batch.add(p, ext.base, raw[start : start + p.raw], what)
                 start += p.raw
+            # delivered after the batch of its last part (earlier batches are done by then)
             waiting.append(deliver)
-        batch.run(siblings.get, pool)
-        for ready in waiting:
-            ready()
+        turn()
+        assert previous is not None
+        _finish(*previous, siblings, pool)
     for name, group in whole.items():
         siblings.get(name)._read_extents(group, planner)
+
+
+def _finish(batch: PartBatch, deliveries: list[Callable[[], None]], siblings: Siblings,
+            pool: ThreadPoolExecutor) -> None:
+    batch.finish(siblings.get, pool)
+    for deliver in deliveries:
+        deliver()
 
 
 def _located(other: ExtentReader, where: str, name: str) -> str:
