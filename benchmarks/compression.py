@@ -146,6 +146,21 @@ def bert_mlm_loss(p: Mapping[str, torch.Tensor], ids: torch.Tensor,
     return F.cross_entropy(logits, labels[labels >= 0])
 
 
+def mlm_step(params: Mapping[str, torch.Tensor], opt: torch.optim.Optimizer,
+             tokens: torch.Tensor, g: torch.Generator) -> float:
+    """One masked-token training step on ``BATCH`` random windows of ``tokens``; its loss."""
+    starts = torch.randint(0, len(tokens) - SEQ + 2, (BATCH,), generator=g)
+    body = torch.stack([tokens[s : s + SEQ - 2] for s in starts.tolist()])
+    ids = torch.cat([torch.full((BATCH, 1), CLS_ID), body, torch.full((BATCH, 1), SEP_ID)], 1)
+    mask = torch.rand(ids.shape, generator=g) < 0.15
+    mask[:, 0] = mask[:, -1] = False
+    loss = bert_mlm_loss(params, ids.masked_fill(mask, MASK_ID), torch.where(mask, ids, -100))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def train_moments(weights: dict[str, torch.Tensor], steps: int,
                   seed: int) -> tuple[dict[str, dict[str, torch.Tensor]], list[float], float]:
     """AdamW moments after ``steps`` steps; also the losses and the seconds it took."""
@@ -157,18 +172,7 @@ def train_moments(weights: dict[str, torch.Tensor], steps: int,
     losses = []
     t0 = time.perf_counter()
     for _ in range(steps):
-        starts = torch.randint(0, len(tokens) - SEQ + 2, (BATCH,), generator=g)
-        body = torch.stack([tokens[s : s + SEQ - 2] for s in starts.tolist()])
-        ids = torch.cat([torch.full((BATCH, 1), CLS_ID), body,
-                         torch.full((BATCH, 1), SEP_ID)], 1)
-        mask = torch.rand(ids.shape, generator=g) < 0.15
-        mask[:, 0] = mask[:, -1] = False
-        labels = torch.where(mask, ids, -100)
-        loss = bert_mlm_loss(params, ids.masked_fill(mask, MASK_ID), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        losses.append(mlm_step(params, opt, tokens, g))
     seconds = time.perf_counter() - t0
     by_param = {id(v): k for k, v in params.items()}
     moments: dict[str, dict[str, torch.Tensor]] = {"exp_avg": {}, "exp_avg_sq": {}}

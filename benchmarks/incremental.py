@@ -111,8 +111,7 @@ def embedding(links: int) -> Iterator[tuple[dict[str, Any], int]]:
 
 
 def minilm(links: int) -> Iterator[tuple[dict[str, Any], int]]:
-    from benchmarks.compression import BATCH, CLS_ID, MASK_ID, SEP_ID, SEQ, bert_mlm_loss, corpus
-    from benchmarks.compression import load_weights
+    from benchmarks.compression import corpus, load_weights, mlm_step
 
     g = torch.Generator().manual_seed(2)
     tokens = torch.tensor(corpus())
@@ -121,16 +120,7 @@ def minilm(links: int) -> Iterator[tuple[dict[str, Any], int]]:
     opt = torch.optim.AdamW(params.values(), lr=1e-4, weight_decay=0.01)
     last: dict[str, torch.Tensor] | None = None
     for _ in range(links):
-        starts = torch.randint(0, len(tokens) - SEQ + 2, (BATCH,), generator=g)
-        body = torch.stack([tokens[s : s + SEQ - 2] for s in starts.tolist()])
-        ids = torch.cat([torch.full((BATCH, 1), CLS_ID), body,
-                         torch.full((BATCH, 1), SEP_ID)], 1)
-        mask = torch.rand(ids.shape, generator=g) < 0.15
-        mask[:, 0] = mask[:, -1] = False
-        loss = bert_mlm_loss(params, ids.masked_fill(mask, MASK_ID), torch.where(mask, ids, -100))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        mlm_step(params, opt, tokens, g)
         bf16 = {k: p.detach().to(torch.bfloat16) for k, p in params.items()}
         sd = {"model": bf16, "optim": {f"{k}.{s}": v for k, p in params.items()
                                        for s, v in opt.state[p].items()}}
