@@ -43,8 +43,9 @@ def train_and_save(rank: int, world: int, root: str, layout: str,
 
     Writes the full tensors of the state B snapshotted to ``{root}/{layout}_ref.pt`` (rank 0)
     and returns the losses of steps 3 and 4 and whether save B reused A's plan. With
-    ``incremental``, B is an incremental checkpoint on A: its parts XOR deltas against A's
-    snapshot, which the stager's second buffer still holds.
+    ``incremental``, B is an incremental checkpoint on A (its changed parts XOR deltas against
+    A's snapshot where smaller, which the stager's second buffer still holds), and both hold
+    a frozen sharded table that B references.
     """
     import dataclasses
 
@@ -67,13 +68,15 @@ def train_and_save(rank: int, world: int, root: str, layout: str,
         train_step(model, opt, step)
     save_group = dist.new_group(backend="gloo")  # saves run while training uses the default group
     planner = CachedSavePlanner()
+    extra = {"frozen": _frozen(_mesh(LAYOUTS["fsdp"]))} if incremental else {}
     writer_a = LocalWriter(f"{root}/{layout}/a", incremental=incremental)
     writer_b = LocalWriter(f"{root}/{layout}/b", **(
         {"base": f"{root}/{layout}/a"} if incremental else {}))
     with ArenaStager(buffers=2 if incremental else 1) as stager:
         stager.guard(opt)
-        resp_a = dcp.async_save(state_of(model, opt), planner=planner, async_stager=stager,
-                                storage_writer=writer_a, process_group=save_group)
+        resp_a = dcp.async_save({**state_of(model, opt), **extra}, planner=planner,
+                                async_stager=stager, storage_writer=writer_a,
+                                process_group=save_group)
         train_step(model, opt, 2)  # its optimizer.step() waits for snapshot A
         resp_a.upload_completion.result()
         first_hit = planner.last_was_hit
@@ -83,7 +86,7 @@ def train_and_save(rank: int, world: int, root: str, layout: str,
         if incremental:
             writer_b.increments = dataclasses.replace(writer_b.increments,
                                                       old=writer_a.last_slabs)
-        resp_b = dcp.async_save(sd, planner=planner, async_stager=stager,
+        resp_b = dcp.async_save({**sd, **extra}, planner=planner, async_stager=stager,
                                 storage_writer=writer_b, process_group=save_group)
         del sd
         losses = [train_step(model, opt, 3), train_step(model, opt, 4)]
@@ -94,6 +97,14 @@ def train_and_save(rank: int, world: int, root: str, layout: str,
     return {"losses": losses, "hits": [first_hit, second_hit],
             "local_param_rows": [int(p.to_local().shape[0]) for p in model.parameters()],
             "placements": [str(pl) for pl in next(model.parameters()).placements]}
+
+
+def _frozen(mesh: Any) -> Any:
+    """A 2 MiB table no step changes, sharded by rows (``Shard(0)``) over ``mesh``."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    return distribute_tensor(torch.arange(1 << 19, dtype=torch.float32).reshape(-1, 64), mesh,
+                             [Shard(0)])
 
 
 def load_and_resume(rank: int, world: int, root: str, layout: str, mesh_shape: list[int],
@@ -117,8 +128,16 @@ def load_and_resume(rank: int, world: int, root: str, layout: str, mesh_shape: l
     model = shard(build_model(seed=1), _mesh(mesh_shape))
     opt = build_optimizer(model)
     sd = state_of(model, opt)  # DCP's get_state_dict initialises the optimizer state
-    dcp.load(sd, storage_reader=LocalReader(f"{root}/{layout}/b"), planner=SafeLoadPlanner())
+    extra = {}
+    if layout.endswith("_incr"):  # resharded from the base's files, through B's references
+        extra["frozen"] = _frozen(_mesh(mesh_shape))
+        extra["frozen"].to_local().zero_()
+    dcp.load({**sd, **extra}, storage_reader=LocalReader(f"{root}/{layout}/b"),
+             planner=SafeLoadPlanner())
     apply_state(model, opt, sd)
+    if extra:
+        assert_bit_exact(extra["frozen"].full_tensor(), _frozen(_mesh(mesh_shape)).full_tensor(),
+                         "frozen")
 
     got = flat_tensors(state_of(model, opt))
     ref = torch.load(f"{root}/{layout}_ref.pt", weights_only=True)
@@ -249,13 +268,13 @@ def test_reshards_bit_exact_at_two_ranks_with_the_same_next_loss(world4, world2,
     assert [v["losses"] for v in loaded] == [saved[0]["losses"][:1]] * 2
 
 
-def test_an_incremental_fsdp_checkpoint_stores_deltas_against_its_base(world4):
+def test_an_incremental_fsdp_checkpoint_references_what_did_not_change(world4):
     root, saved = _saved(world4, "fsdp_incr")
     record = json.loads((root / "fsdp_incr" / "b" / ".metadata").read_text())
 
     assert record["version"] == 5 and record["bases"] == ["a"]
-    codecs = {p["codec"] for e in record["extents"] for p in e.get("parts") or []}
-    assert "xor+zstd+shuffle" in codecs, codecs
+    frozen = [e for e in record["extents"] if e["fqn"] == "frozen"]
+    assert len(frozen) == 4 and all(e["base"] == "a" for e in frozen)  # each rank's shard
     # the same training as the plain FSDP run: same losses while B persisted
     assert [v["losses"] for v in saved] == [v["losses"] for v in _saved(world4, "fsdp")[1]]
 
