@@ -7,36 +7,37 @@ installed first. See ``docs/torchtitan.md``.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
+from torchtitan.tools import filesystem
 
+from dcp_plus.integrations._titan_adaptive import AdaptiveSaves
+from dcp_plus.integrations._titan_config import check_config, incremental_options
 from dcp_plus.integrations._titan_errors import stock_checkpoint_hint
+from dcp_plus.integrations._titan_increments import TitanIncrements, purge_list
 from dcp_plus.integrations._titan_schedule import LoopSchedule
 from dcp_plus.manager.control import ControlGroup
 from dcp_plus.manager.object_backend import ObjectStoreBackend
 from dcp_plus.manager.options import LocalWriterOptions, ObjectStoreWriterOptions
 from dcp_plus.manager.storage import Backend, LocalBackend
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
-from dcp_plus.schedule import AdaptiveInterval
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.stagers.device_copy import check_device_copy
-from dcp_plus.storage.rate import shaping_problem
 from dcp_plus.storage.urls import is_url
 from dcp_plus.writers import shutdown_pool
 
 log = logging.getLogger(__name__)
 
-_CODECS = ("identity", "zstd", "zstd+shuffle")
 _DIRECT_IO: dict[str, bool | str] = {"auto": "auto", "on": True, "off": False}
 
 
@@ -56,7 +57,7 @@ class SaveRecord:
     """Whether every rank reused a cached plan (known once the save has finished)."""
 
 
-class DcpPlusCheckpointManager(CheckpointManager):
+class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
     """TorchTitan's DCP checkpoint manager, saving and loading through dcp_plus.
 
     Saves stage into an :class:`~dcp_plus.stagers.ArenaStager` (async modes), plan with a
@@ -163,30 +164,25 @@ class DcpPlusCheckpointManager(CheckpointManager):
         """With ``adaptive_budget``: iterations measured before the policy's first
         (profiling) checkpoint, counted from the start or resume of the job."""
 
+        incremental: bool = False
+        """Incremental checkpoints (``docs/incremental.md``): each save writes only the parts
+        that changed since the previous committed one and references the rest; the
+        ``keep_latest_k`` purge spares every step folder a kept one references."""
+
+        incremental_full_every: int = 8
+        """With ``incremental``: every N-th save (counted from the job's start or resume)
+        references nothing, so chains are at most N saves long."""
+
+        incremental_delta: bool = False
+        """With ``incremental``: changed parts as XOR deltas against the previous snapshot
+        (needs ``stager_buffers=2``, which keeps it)."""
+
+        incremental_part_bytes: int = 1 << 20
+        """With ``incremental``: the size of the parts tensors are compared by."""
+
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
-            if self.stager_buffers not in (1, 2):
-                raise ValueError(
-                    f"checkpoint.stager_buffers must be 1 or 2, got {self.stager_buffers}")
-            check_device_copy(self.stager_device_copy, "checkpoint.stager_device_copy")
-            if self.plan_cache_size < 1:
-                raise ValueError(
-                    f"checkpoint.plan_cache_size must be >= 1, got {self.plan_cache_size}")
-            if self.compression not in _CODECS:
-                raise ValueError(f"checkpoint.compression must be one of {_CODECS}, got "
-                                 f"{self.compression!r}")
-            if self.adaptive_budget is not None and not 0 < self.adaptive_budget < 1:
-                raise ValueError("checkpoint.adaptive_budget must be in (0, 1), got "
-                                 f"{self.adaptive_budget}")
-            if self.adaptive_warmup < 1:
-                raise ValueError(
-                    f"checkpoint.adaptive_warmup must be >= 1, got {self.adaptive_warmup}")
-            bad = shaping_problem(self.writer_max_bytes_per_s, self.writer_stagger)
-            if bad is not None:
-                raise ValueError(f"checkpoint.writer_{bad[0]} {bad[1]}")
-            if self.writer == "local" and is_url(self.folder):
-                raise ValueError(f"checkpoint.writer='local' cannot write to the URL "
-                                 f"{self.folder!r}; use writer='object_store' or 'auto'")
+            check_config(self)
 
     def __init__(self, config: Config, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -221,21 +217,12 @@ class DcpPlusCheckpointManager(CheckpointManager):
                         "reader only; TorchTitan lists %s itself (resume step, keep_latest_k) "
                         "through fsspec without them: put the endpoint and credentials in "
                         "fsspec's config too (e.g. FSSPEC_S3='{...}')", self.folder)
+        self._increments = TitanIncrements(incremental_options(config),
+                                           config.incremental_part_bytes) if config.incremental else None
         self._schedule: LoopSchedule | None = None
         self._ctl: ControlGroup | None = None
         if config.adaptive_budget is not None and not self.load_only:
             self._init_adaptive(config.adaptive_budget, config.adaptive_warmup)
-
-    def _init_adaptive(self, budget: float, warmup: int) -> None:
-        """Rank 0 runs the policy; every step it broadcasts its answer on a gloo group of
-        its own (async uploads run collectives on ``self.pg`` from a background thread, and
-        gloo aborts on interleaved collectives)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._ctl = ControlGroup()
-        if self._ctl is None or dist.get_rank() == 0:
-            self._schedule = LoopSchedule(AdaptiveInterval(budget, warmup=warmup))
-        log.info("dcp_plus: checkpoint steps chosen by AdaptiveInterval(p=%g, warmup=%d) on "
-                 "rank 0 (checkpoint.interval=%d is not used)", budget, warmup, self.interval)
 
     # -- factories ----------------------------------------------------------------------
 
@@ -258,8 +245,30 @@ class DcpPlusCheckpointManager(CheckpointManager):
         # the same step's checkpoint (e.g. after resuming from an earlier load_step); the old
         # one stays loadable until the new commit record is in place.
         backend = self._backend(checkpoint_id)
-        return backend.writer(checkpoint_id,
-                              self._writer_options[backend.writer_options].kwargs())
+
+        def make() -> StorageWriter:
+            return backend.writer(checkpoint_id,
+                                  self._writer_options[backend.writer_options].kwargs())
+        if self._increments is None:
+            return make()
+        return self._increments.writer(make, checkpoint_id, backend)
+
+    def _purge_stale_checkpoints(self) -> None:
+        """TorchTitan's ``keep_latest_k`` purge; with incremental checkpoints it spares the
+        step folders the kept ones (and the save in flight) reference."""
+        if self._increments is None:
+            CheckpointManager._purge_stale_checkpoints(self)
+            return
+        if not self._should_purge():
+            return
+        found = sorted((int(m.group(1)), filesystem.join(self.folder, n))
+                       for n in filesystem.listdir(self.folder)
+                       if (m := re.search(r"step-(\d+)", n)))
+        paths = [p for _, p in found]
+        k = self.keep_latest_k
+        for path in purge_list(paths[:-k], paths[-k:], self._increments,
+                               self._backend(self.folder)):
+            self.purge_queue.put(path)
 
     def make_reader(self, checkpoint_id: str) -> StorageReader:
         """The storage reader for one load."""
@@ -291,22 +300,6 @@ class DcpPlusCheckpointManager(CheckpointManager):
         if isinstance(resp, AsyncSaveResponse) and self.stager is not None:
             self.stager.release_when(resp.upload_completion)
         return resp
-
-    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
-        if self.dcpp.adaptive_budget is None:
-            return CheckpointManager._should_save(self, curr_step, last_step)
-        if not self.enable or self.load_only:
-            return False
-        if self._schedule is not None:
-            self._schedule.tick(curr_step)
-        if last_step or (curr_step == 1 and self.enable_first_step_checkpoint):
-            return True  # TorchTitan's forced saves; the same on every rank
-        return self._adaptive_decision(curr_step)
-
-    def _adaptive_decision(self, step: int) -> bool:
-        """Rank 0's policy answer for ``step``, the same on every rank."""
-        want = self._schedule.decide(step) if self._schedule is not None else False
-        return want if self._ctl is None else self._ctl.rank0_decides(want)
 
     @torch.no_grad()
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
@@ -341,15 +334,6 @@ class DcpPlusCheckpointManager(CheckpointManager):
 
     def _record(self, rec: SaveRecord) -> None:
         self.saves.append(rec)
-
-    def _report(self, step: int, waited_s: float, result: AsyncSaveResponse | None) -> None:
-        """Tell the adaptive schedule (rank 0) what this save cost the loop."""
-        if self._schedule is None:
-            return
-        self._schedule.saved(
-            step, blocking_s=waited_s + self.saves[-1].blocking_s, waited_s=waited_s,
-            staged=None if result is None else result.staging_completion,
-            done=None if result is None else result.upload_completion)
 
     def _maybe_wait_for_staging(self) -> None:
         if self.staging_future is None:

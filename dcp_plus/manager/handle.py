@@ -52,6 +52,10 @@ class SaveHandle:
         """Wait for the commit; raises ``CheckpointSaveError`` if the save failed."""
         return self.done.result(timeout)
 
+    def committed(self) -> bool:
+        """Whether the save has ended and committed (no wait)."""
+        return self.done.done() and self.done.exception() is None
+
     def stats(self, ok: bool, done_at: float) -> SaveStats:
         staged_at = self.staged_at if self.staged_at is not None else done_at
         return SaveStats(step=self.step, blocking_s=self.blocking_s, waited_s=self.waited_s,

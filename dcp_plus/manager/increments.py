@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 from dcp_plus.errors import InvalidOptionError
-from dcp_plus.manager.handle import SaveHandle
 from dcp_plus.storage.location import sibling_name
 from dcp_plus.writers.base import CommittingWriter
 from dcp_plus.writers.increments import Increments
@@ -54,10 +53,13 @@ class Chain:
         self.part_bytes = part_bytes
         self._count = 0
         self._base: tuple[str, CommittingWriter] | None = None
-        self._pending: tuple[str, CommittingWriter, SaveHandle] | None = None
+        self.current_base: str | None = None
+        """The base of the latest save issued (None: a full one)."""
+        self._pending: tuple[str, CommittingWriter, Callable[[], bool]] | None = None
 
-    def writer(self, make: Callable[[], Any], path: str, handle: SaveHandle) -> Any:
-        """The writer of durable save ``handle`` at ``path``, made by ``make()``."""
+    def writer(self, make: Callable[[], Any], path: str, committed: Callable[[], bool]) -> Any:
+        """The writer of the durable save at ``path``, made by ``make()``; ``committed()``,
+        asked when the next save starts, says whether this one committed."""
         writer = make()
         if not self.options.incremental:
             return writer
@@ -70,10 +72,12 @@ class Chain:
         if not full and self.options.delta:
             assert self._base is not None
             old = self._base[1].last_slabs
-        base = None if full or self._base is None else sibling_name(writer.path, self._base[0])
+        self.current_base = None if full or self._base is None else self._base[0]
+        base = None if self.current_base is None else sibling_name(writer.path,
+                                                                    self.current_base)
         writer.increments = Increments(base, self.part_bytes, base_required=False, old=old)
         self._count += 1
-        self._pending = (path, writer, handle)
+        self._pending = (path, writer, committed)
         return writer
 
     def _settle(self) -> None:
@@ -81,9 +85,9 @@ class Chain:
         time: it has ended by now)."""
         if self._pending is None:
             return
-        path, writer, handle = self._pending
+        path, writer, committed = self._pending
         self._pending = None
-        if handle.done.done() and handle.done.exception() is None:
+        if committed():
             self._base = (path, writer)
         else:
             log.info("incremental checkpoints: %s did not commit; the next save references %s",

@@ -253,7 +253,7 @@ class CheckpointManager:
         try:
             issued = self._issuer.issue(step, state, lambda: self._chain.writer(
                 lambda: self.backend.writer(path, {**self.writer_options.kwargs(),
-                                                   "fence": fence}), path, handle))
+                                                   "fence": fence}), path, handle.committed))
         except (Exception, CheckpointException) as e:  # staging refused, storage unusable
             handle.blocking_s = self.clock() - t0
             self._completed.append(self._finish.refused(handle, e))

@@ -223,6 +223,47 @@ def test_adaptive_resume_continues_the_loss_curve_exactly(
         assert chosen[0] == resumed_from + ADAPTIVE_WARMUP + 1
 
 
+# -- incremental checkpoints -------------------------------------------------------------------
+
+INCR_KILL_AT = 11  # saves of steps 3, 6 and 9 were issued: a chain of 3 under keep_latest_k=2
+
+
+@pytest.fixture(scope="module")
+def incremental(titan: dict[str, Any]) -> dict[str, Any]:
+    """I: incremental checkpoints with deltas and ``keep_latest_k=2``, killed at step 11; J
+    restarts it unchanged and resumes."""
+    root = titan["root"]
+    out: dict[str, Any] = {"root": root}
+    out["I"] = _job(root, "I", "dcp_plus_incremental_cpu", root / "I", [],
+                    {"DCPP_TITAN_KILL_AT": str(INCR_KILL_AT)})
+    folder = root / "I" / "checkpoint"
+    out["I_committed"] = _committed_steps(folder)
+    out["I_bases"] = {s: json.loads((folder / f"step-{s}" / ".metadata").read_text())["bases"]
+                      for s in out["I_committed"]}
+    out["J"] = _job(root, "J", "dcp_plus_incremental_cpu", root / "I", [])
+    return out
+
+
+def test_incremental_checkpoints_resume_exactly_and_the_purge_keeps_their_bases(
+        titan: dict[str, Any], incremental: dict[str, Any]) -> None:
+    root = incremental["root"]
+    assert all(code != 0 for code in incremental["I"]), "job I was meant to be killed"
+    committed, bases = incremental["I_committed"], incremental["I_bases"]
+    # 9 unless its persist was cut by the kill; 3 is kept beyond keep_latest_k=2 because
+    # 6 (and 9) reference it
+    assert committed in ([3, 6], [3, 6, 9]), committed
+    assert bases[3] == [] and bases[6] == ["step-3"]
+    if 9 in committed:
+        assert bases[9] == ["step-3", "step-6"]
+    assert incremental["J"] == [0, 0], log_tail(root, "J")
+    resumed_from = committed[-1]
+    assert _resumed_from(root, "J", str(root / "I" / "checkpoint")) == resumed_from
+    a, i, j = (_losses(root / f"{n}.losses.jsonl") for n in "AIJ")
+    assert sorted(j) == list(range(resumed_from + 1, STEPS + 1))
+    for step, loss in {**i, **j}.items():  # deltas decoded through the chain, exactly
+        assert loss == a[step], (step, loss, a[step])
+
+
 # -- S3 (SeaweedFS) ---------------------------------------------------------------------------
 
 S3_PREFIX = "titan-run"

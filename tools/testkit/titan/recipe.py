@@ -59,3 +59,12 @@ def stock_cpu() -> Trainer.Config:
 def dcp_plus_cpu() -> Trainer.Config:
     """Same, checkpointing through dcp_plus (the recipe form of selecting it)."""
     return with_dcp_plus(stock_cpu(), async_mode="async", fsync=False)
+
+
+def dcp_plus_incremental_cpu() -> Trainer.Config:
+    """dcp_plus with incremental checkpoints (XOR deltas against the previous snapshot, two
+    stager buffers) and TorchTitan's purge keeping the 2 newest step folders (its least)."""
+    config = with_dcp_plus(stock_cpu(), async_mode="async", fsync=False, stager_buffers=2,
+                           incremental=True, incremental_delta=True)
+    config.checkpoint.keep_latest_k = 2
+    return config
