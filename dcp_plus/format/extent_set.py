@@ -39,6 +39,7 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
         self.codecs: list[str] = []
         self.columns: dict[str, list[Any]] = {k: [] for k in LOCATION_COLUMNS}
         self._file_pos: dict[str, int] = {}
+        self._own: set[str] = set()
         self._codec_pos: dict[str, int] = {}
         self._rows: dict[MetadataIndex, Extent] | None = None
 
@@ -51,19 +52,30 @@ class ExtentSet(Mapping[MetadataIndex, Extent]):
                 named.
         """
         fqns, chunks, (files, prefixes, codecs, cols) = decode_table_columns(data, source)
-        base = len(self.files)
-        for name in files:
-            if self._file_pos.setdefault(name, len(self._file_pos)) < base:
-                raise CheckpointFormatError(f"{source}: data file {name!r} is in another "
-                                            "rank's extent table too")
-        self.files += files
-        self.prefixes += prefixes
+        # a data file is written by one rank; a file of a base checkpoint may be referenced
+        # by several (an incremental save whose ranks hold other shards than its base's)
+        own = {files[f] for f, b in zip(cols["file"], cols["base"], strict=True) if b is None}
+        if own & self._own:
+            name = sorted(own & self._own)[0]
+            raise CheckpointFormatError(f"{source}: data file {name!r} is in another "
+                                        "rank's extent table too")
+        self._own |= own
+        file_at = []
+        for name, prefix in zip(files, prefixes, strict=True):
+            at = self._file_pos.setdefault(name, len(self._file_pos))
+            if at == len(self.files):
+                self.files.append(name)
+                self.prefixes.append(prefix)
+            elif self.prefixes[at] != prefix:
+                raise CheckpointFormatError(f"{source}: {name!r} is recorded under two key "
+                                            "prefixes")
+            file_at.append(at)
         codec_at = [self._codec_pos.setdefault(c, len(self._codec_pos)) for c in codecs]
         self.codecs = list(self._codec_pos)
         self.fqn += fqns
         self.chunk += chunks
         out = self.columns
-        out["file"] += map(base.__add__, cols["file"])
+        out["file"] += map(file_at.__getitem__, cols["file"])
         out["codec"] += map(codec_at.__getitem__, cols["codec"])
         for k in ("offset", "length", "raw_length", "checksum", "value", "base", "parts"):
             out[k] += cols[k]
