@@ -106,12 +106,15 @@ def check_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> Locati
                      is not None and len(c) == _CHECKSUM_CHARS, "a version-4 extent checksum")
     values = ex.texts("value", nullable=True, optional=True)
     bases = ex.texts("base", nullable=True, optional=True)
-    for i, b in enumerate(bases):
-        if b is not None and sibling_problem(b) is not None:
-            raise p.fail(f"{ex.where}.base[{i}]", str(sibling_problem(b)))
-    parts = [None if v is None else parse_parts(v, p.fail, f"{ex.where}.parts[{i}]",
-                                                p.relative_path)
-             for i, v in enumerate(ex.column("parts", optional=True))]
+    parts = ex.column("parts", optional=True)
+    if "base" in ex.table:  # the columns of references: absent from other records
+        for i, b in enumerate(bases):
+            if b is not None and sibling_problem(b) is not None:
+                raise p.fail(f"{ex.where}.base[{i}]", str(sibling_problem(b)))
+    if "parts" in ex.table:
+        parts = [None if v is None else parse_parts(v, p.fail, f"{ex.where}.parts[{i}]",
+                                                    p.relative_path)
+                 for i, v in enumerate(parts)]
     return files, prefixes, codecs, {"file": file, "offset": offset, "length": length,
                                      "raw_length": raw, "codec": codec, "checksum": checksums,
                                      "value": values, "base": bases, "parts": parts}
