@@ -24,9 +24,10 @@ def collect(root: str, storage_options: Mapping[str, Any] | None = None, *,
     """What gc removes (or, with ``dry_run``, would remove) under ``root``: uncommitted step
     folders, and the committed steps retention drops (``keep_last`` newest and multiples of
     ``keep_every`` kept, counting only checkpoints whose record validates; the newest of
-    those always; every checkpoint a kept incremental one references). Damaged checkpoints are listed and kept. With ``shm``, also the job's
-    memory-tier snapshots on this node (``job_id``: default derived from the root), only when
-    no live job holds the root. JSON-ready."""
+    those always; every checkpoint a kept incremental one references). Damaged checkpoints
+    are listed and kept. With ``shm``, also the job's memory-tier snapshots on this node
+    (``job_id``: default derived from the root), only when no live job holds the root.
+    JSON-ready."""
     res = _collect(root, storage_options, keep_last, keep_every, dry_run)
     if shm:
         res["shm"] = _shm_files(root, job_id, remove=not dry_run)

@@ -53,12 +53,12 @@ def encode_delta(new: memoryview, old: memoryview | bytes | bytearray, itemsize:
     return _codec(level).encode(memoryview(x), itemsize if dense else 1)
 
 
-def decode_delta_into(stored: memoryview, old: memoryview | bytes | bytearray,
-                      out: memoryview) -> None:
-    """Decode :func:`encode_delta` output into ``out`` (the new bytes).
+def apply_delta(stored: memoryview, out: memoryview) -> None:
+    """Turn ``out`` (the old bytes) into the new ones :func:`encode_delta` stored.
 
     Raises:
         ValueError: the frames do not decode to ``len(out)`` bytes.
     """
-    _codec(1).decode_into(stored, out)
-    xor_into(out, old)
+    change = bytearray(len(out))
+    _codec(1).decode_into(stored, memoryview(change))
+    xor_into(out, change)

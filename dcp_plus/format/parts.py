@@ -35,6 +35,11 @@ compressed (mostly zeros where few bytes changed)."""
 PART_CODECS = frozenset({"identity", "zstd", "zstd+shuffle", DELTA_CODEC})
 MAX_CHAIN = 128
 """Deepest chain of delta parts a record may hold (``full_every`` bounds it in practice)."""
+MAX_PART_BYTES = 64 << 20
+"""Largest part (raw bytes): what a reader allocates for one part is bounded by it."""
+MAX_CHAIN_BYTES = 1 << 30
+"""Largest sum of the stored lengths along one part's delta chain: what a reader holds at
+once to rebuild one part (hostile records cannot make it allocate more)."""
 MAX_PARTS = 1 << 24
 INT64_MAX = (1 << 63) - 1
 
@@ -88,13 +93,28 @@ def parts_digest(parts: tuple[Part, ...]) -> str:
 
 def references(parts: tuple[Part, ...]) -> set[str]:
     """The sibling checkpoints ``parts`` read from (delta chains included)."""
-    out: set[str] = set()
-    for p in parts:
-        while p is not None:
-            if p.where is not None:
-                out.add(p.where)
-            p = p.against  # type: ignore[assignment]
+    return {q.where for p in parts for q in chain(p) if q.where is not None}
+
+
+def chain(p: Part) -> list[Part]:
+    """``p`` and the parts its delta was taken against, outermost first."""
+    out = []
+    cur: Part | None = p
+    while cur is not None:
+        out.append(cur)
+        cur = cur.against
     return out
+
+
+def chain_bytes(p: Part) -> int:
+    """The stored bytes of ``p``'s whole chain (what rebuilding it reads)."""
+    return sum(q.length for q in chain(p))
+
+
+def can_extend(p: Part, part_bytes: int) -> bool:
+    """Whether a delta of ``part_bytes`` taken against ``p`` stays within the chain limits
+    every reader enforces (depth and stored bytes)."""
+    return len(chain(p)) < MAX_CHAIN and chain_bytes(p) + part_bytes <= MAX_CHAIN_BYTES
 
 
 def sibling_problem(name: object) -> str | None:
@@ -110,8 +130,15 @@ def parse_parts(value: Any, fail: Any, where: str, relative_path: Any) -> tuple[
     ``relative_path(path, field)`` checks a data-file name."""
     if type(value) is not list or not value or len(value) > MAX_PARTS:
         raise fail(where, f"expected a non-empty list of at most {MAX_PARTS} parts")
-    return tuple(_parse_part(v, fail, f"{where}[{i}]", relative_path, 0)
-                 for i, v in enumerate(value))
+    out = []
+    for i, v in enumerate(value):
+        part = _parse_part(v, fail, f"{where}[{i}]", relative_path, 0)
+        chain = chain_bytes(part)
+        if chain > MAX_CHAIN_BYTES:
+            raise fail(f"{where}[{i}]", f"its delta chain stores {chain} bytes, more than "
+                                        f"{MAX_CHAIN_BYTES}")
+        out.append(part)
+    return tuple(out)
 
 
 _KEYS = {"hash", "raw", "codec", "file", "offset", "length", "in", "against"}
@@ -129,9 +156,10 @@ def _parse_part(v: Any, fail: Any, where: str, relative_path: Any, depth: int) -
     raw_n: Any = raw
     if type(h) is not str or not _HASH.match(h):
         raise fail(f"{where}.hash", f"expected a {PART_ALGORITHM} hash")
-    for name, n, low in (("raw", raw, 1), ("offset", offset, 0), ("length", length, 0)):
-        if type(n) is not int or not low <= n <= INT64_MAX:
-            raise fail(f"{where}.{name}", f"expected an integer in [{low}, 2^63)")
+    for name, n, low, high in (("raw", raw, 1, MAX_PART_BYTES), ("offset", offset, 0, INT64_MAX),
+                               ("length", length, 0, MAX_CHAIN_BYTES)):
+        if type(n) is not int or not low <= n <= high:
+            raise fail(f"{where}.{name}", f"expected an integer in [{low}, {high}]")
     if offset + length > INT64_MAX:
         raise fail(where, "part ends beyond the int64 range")
     if codec not in PART_CODECS:
@@ -175,9 +203,5 @@ def spans(ext: Any) -> list[tuple[str | None, str, int]]:
     None: the one whose record holds it), references and delta chains included."""
     if ext.parts is None:
         return [(ext.base, ext.file, ext.offset + ext.length)]
-    out = []
-    for p in ext.parts:
-        while p is not None:
-            out.append((p.where or ext.base, p.file, p.offset + p.length))
-            p = p.against
-    return out
+    return [(q.where or ext.base, q.file, q.offset + q.length)
+            for p in ext.parts for q in chain(p)]

@@ -278,10 +278,8 @@ def check_references(extents: Mapping[MetadataIndex, Extent], rows: Mapping[Meta
         if named - listed:
             raise fail(where, f"names checkpoint {sorted(named - listed)[0]!r}, which is not "
                               "one of the record's bases")
-        if ext.parts is None:
-            if ext.codec == CHUNKED:
-                raise fail(f"{where}.codec", f"a {CHUNKED} extent without parts")
-            continue
+        if ext.parts is None:  # writers reference only extents stored as parts
+            raise fail(where, "a base reference or a chunked extent without parts")
         if ext.codec != CHUNKED or ext.value is not None:
             raise fail(where, f"an extent with parts has codec {CHUNKED!r} and no value kind")
         total = sum(p.raw for p in ext.parts)

@@ -22,9 +22,13 @@ class TitanIncrements:
 
     def __init__(self, options: IncrementalOptions, part_bytes: int) -> None:
         self.chain = Chain(options, part_bytes)
+        self._bases: dict[str, list[str]] = {}
+        """Each committed folder's ``bases``, read once (a record changes only when its step
+        is saved again, which drops it here): the purge runs on the training thread."""
 
     def writer(self, make: Callable[[], Any], checkpoint_id: str, backend: Backend) -> Any:
         """The writer of the save into ``checkpoint_id``, made by ``make()``."""
+        self._bases.pop(checkpoint_id, None)
         return self.chain.writer(make, checkpoint_id,
                                  lambda: backend.is_committed(checkpoint_id))
 
@@ -34,17 +38,16 @@ class TitanIncrements:
         cannot be read spares everything (None of its references are known)."""
         names: set[str] = set()
         for path in kept:
-            source = backend.join(path, RECORD_NAME)
-            try:
-                data = backend.read(source)
-            except OSError as e:
-                raise _Unknown(source) from e
-            if data is None:
-                continue  # not committed (the save in flight): its base is the chain's
-            try:
-                names.update(record_bases(data, source))
-            except DcpPlusError as e:
-                raise _Unknown(source) from e
+            if path not in self._bases:
+                source = backend.join(path, RECORD_NAME)
+                try:
+                    data = backend.read(source)
+                    if data is None:
+                        continue  # not committed (the save in flight): its base is the chain's
+                    self._bases[path] = record_bases(data, source)
+                except (OSError, DcpPlusError) as e:
+                    raise _Unknown(source) from e
+            names.update(self._bases[path])
         base = self.chain.current_base
         if base is not None:
             names.add(os.path.basename(base.rstrip("/")))

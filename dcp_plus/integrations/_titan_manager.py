@@ -217,8 +217,9 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
                         "reader only; TorchTitan lists %s itself (resume step, keep_latest_k) "
                         "through fsspec without them: put the endpoint and credentials in "
                         "fsspec's config too (e.g. FSSPEC_S3='{...}')", self.folder)
-        self._increments = TitanIncrements(incremental_options(config),
-                                           config.incremental_part_bytes) if config.incremental else None
+        self._increments = (TitanIncrements(incremental_options(config),
+                                            config.incremental_part_bytes)
+                            if config.incremental else None)
         self._schedule: LoopSchedule | None = None
         self._ctl: ControlGroup | None = None
         if config.adaptive_budget is not None and not self.load_only:

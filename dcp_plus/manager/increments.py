@@ -48,7 +48,11 @@ class IncrementalOptions:
 class Chain:
     """Decides each durable save's :class:`Increments` (None when incremental is off)."""
 
-    def __init__(self, options: IncrementalOptions, part_bytes: int) -> None:
+    def __init__(self, options: IncrementalOptions, part_bytes: int,
+                 key_prefixes: object = None) -> None:
+        if options.incremental and key_prefixes is not None:
+            raise InvalidOptionError("incremental checkpoints cannot be combined with the "
+                                     "writer's key_prefixes yet")
         self.options = options
         self.part_bytes = part_bytes
         self._count = 0
@@ -67,7 +71,9 @@ class Chain:
             raise InvalidOptionError(f"{path}: incremental checkpoints need a dcp_plus writer, "
                                      f"got {type(writer).__name__}")
         self._settle()
-        full = self._count % self.options.full_every == 0 or self._base is None
+        # a save into its own base's folder (the same step saved again) references nothing
+        full = (self._count % self.options.full_every == 0 or self._base is None
+                or self._base[0] == path)
         old = None
         if not full and self.options.delta:
             assert self._base is not None
@@ -75,7 +81,8 @@ class Chain:
         self.current_base = None if full or self._base is None else self._base[0]
         base = None if self.current_base is None else sibling_name(writer.path,
                                                                     self.current_base)
-        writer.increments = Increments(base, self.part_bytes, base_required=False, old=old)
+        writer.increments = Increments(base, self.part_bytes, base_required=False, old=old,
+                                       keep_replaced=True)
         self._count += 1
         self._pending = (path, writer, committed)
         return writer

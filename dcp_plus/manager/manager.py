@@ -92,9 +92,8 @@ class CheckpointManager:
             :class:`~dcp_plus.tiers.TierOptions` and ``docs/tiers.md`` (``memory_tier_bytes``
             is its ``state_bytes``). ``load_latest`` then restores from the fastest tier and
             ``last_restore`` says which each rank used.
-        incremental, full_every, delta: incremental checkpoints (``IncrementalOptions`` in
-            :mod:`dcp_plus.manager.increments`, ``docs/incremental.md``); retention keeps
-            every checkpoint a kept one references.
+        incremental, full_every, delta: incremental checkpoints (``IncrementalOptions``,
+            ``docs/incremental.md``); retention keeps every checkpoint a kept one references.
 
     One root has one writer: a writing manager holds the root's lease (``ROOT/.dcpp-lease``)
     until ``close()``; a second one raises ``LeaseHeldError`` naming the holder. A manager
@@ -129,7 +128,8 @@ class CheckpointManager:
         self.reader_options: ReaderOptions = options_for(
             reader_options, backend.reader_options, "reader_options", self.root)
         self._chain = Chain(IncrementalOptions(incremental, full_every, delta),
-                            self.writer_options.part_bytes)
+                            self.writer_options.part_bytes, getattr(self.writer_options,
+                                                                    "key_prefixes", None))
         self.keep_last, self.keep_every = keep_last, keep_every
         self.policy: IntervalPolicy = (AdaptiveInterval(0.05) if interval is None else
                                        EveryN(interval) if isinstance(interval, int) else interval)

@@ -34,13 +34,18 @@ from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.extent import BYTESIO
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name, extent_identity
 from dcp_plus.format.values import byte_view, check_loads_safely
-from dcp_plus.readers.extents import check_digest, check_extent_bounds, verify_checksum
+from dcp_plus.readers.extents import (
+    aligned_bytes,
+    check_digest,
+    check_extent_bounds,
+    describe,
+    verify_checksum,
+)
 from dcp_plus.readers.parts_read import Siblings, check_references, needs_parts, read_parts
 from dcp_plus.readers.placement import place_objects
 from dcp_plus.readers.raw_bytes import deliver_bytesio
 from dcp_plus.readers.refused import RefusedRecord
 from dcp_plus.storage.direct_extents import ExtentEOFError
-from dcp_plus.storage.direct_read import DIRECT_ALIGN
 from dcp_plus.storage.fanout import fan_out
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.objectio import ExtentStore
@@ -51,19 +56,6 @@ ReadExtents = Callable[[list[tuple[str, int, int]], Callable[[int], memoryview],
 """``read_extents(extents, open_extent, done, executor)`` of an ``ExtentStore``; ``done(k)``
 or ``done(k, checksum)``."""
 PICKLE_PROTOCOL_BYTE = 0x80
-
-
-def aligned_bytes(n: int) -> torch.Tensor:
-    """An uninitialized uint8 tensor of ``n`` bytes starting 4 KiB-aligned in memory, so
-    that O_DIRECT reads can fill it without a bounce buffer."""
-    raw = torch.empty(n + DIRECT_ALIGN, dtype=torch.uint8)
-    start = -raw.data_ptr() % DIRECT_ALIGN
-    return raw[start : start + n]
-
-
-def describe(index: MetadataIndex) -> str:
-    chunk = "" if index.offset is None or not any(index.offset) else f" chunk {list(index.offset)}"
-    return f"tensor {index.fqn!r}{chunk}"
 
 
 class ExtentReader(StoreClient, StorageReader):
@@ -101,12 +93,17 @@ class ExtentReader(StoreClient, StorageReader):
         if checkpoint_id is not None:
             self._set_location(checkpoint_id)
         self._stock = None
+        self._drop_siblings()  # references resolve beside the checkpoint now read
 
     def close(self) -> None:
         """Release connections and threads (reopened on next use)."""
+        self._drop_siblings()
+        self._close_store()
+
+    def _drop_siblings(self) -> None:
         if self._sibling_readers is not None:
             self._sibling_readers.close()
-        self._close_store()
+            self._sibling_readers = None
 
     def _siblings(self) -> Siblings:
         """Readers of the checkpoints beside this one that its record references."""
@@ -220,7 +217,7 @@ class ExtentReader(StoreClient, StorageReader):
         parts = {i: r for i, r in by_extent.items() if needs_parts(self._extent(i))}
         if parts:
             by_extent = {i: r for i, r in by_extent.items() if i not in parts}
-            read_parts(self, self._siblings(), parts, planner, describe, self._dtype_name)
+            read_parts(self, self._siblings(), parts, planner, self._dtype_name)
         self._read_extents(by_extent, planner)
         fut: Future[None] = Future()
         fut.set_result(None)

@@ -1,9 +1,13 @@
-"""Checked reads of extents: regular files only, bounds, coalesced preadv, checksum compare."""
+"""Checked reads of extents: bounds, checksum compare, aligned destination buffers, how an
+extent is named in messages."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.checksum import (
@@ -13,6 +17,7 @@ from dcp_plus.format.checksum import (
     checksum_bytes,
 )
 from dcp_plus.format.record import Extent
+from dcp_plus.storage.direct_read import DIRECT_ALIGN
 
 
 def check_extent_bounds(extents: Iterable[tuple[str, Extent]],
@@ -75,3 +80,16 @@ def check_digest(actual: str, ext: Extent, what: str, root: str, identity: str) 
             "record says this extent holds; the data file is corrupt (or the record entry "
             "was moved, or its dtype or lengths edited)"
         )
+
+
+def aligned_bytes(n: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``n`` bytes starting 4 KiB-aligned in memory, so
+    that O_DIRECT reads can fill it without a bounce buffer."""
+    raw = torch.empty(n + DIRECT_ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % DIRECT_ALIGN
+    return raw[start : start + n]
+
+
+def describe(index: MetadataIndex) -> str:
+    chunk = "" if index.offset is None or not any(index.offset) else f" chunk {list(index.offset)}"
+    return f"tensor {index.fqn!r}{chunk}"

@@ -169,7 +169,7 @@ def verify(location: Location, progress: Callable[[int], None] | None = None,
                   if isinstance(item, TensorStorageMetadata)}
         for name, entries in sorted(by_file.items()):
             check_file(reader._store, name, entries, dtypes, report, progress)
-        verify_decoded(reader, referencing, lambda i: dtypes.get(i.fqn), report, progress)
+        verify_decoded(reader, referencing, report, progress)
         return report
     finally:
         reader.close()

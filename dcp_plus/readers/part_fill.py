@@ -1,7 +1,9 @@
 """Filling parts: every read a batch of parts needs is planned first, then issued as one
 request list per data file (never two opens of one file at a time: NFSv4 clients serialise
-them), then encoded parts are decoded (a delta after the part it was taken against) and
-every part's hash is checked while it is still in cache."""
+them), then encoded parts are decoded and every part's hash is checked while it is still in
+cache. A delta chain is rebuilt in its destination: the innermost part first, then each
+delta XORed onto it in turn (each level's hash checked on the way), so a part costs its
+destination plus its chain's stored bytes, which the record bounds."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 
 from dcp_plus.errors import CorruptCheckpointError
 from dcp_plus.format.codecs import get_codec
-from dcp_plus.format.delta import decode_delta_into
+from dcp_plus.format.delta import apply_delta
 from dcp_plus.format.parts import DELTA_CODEC, Part, part_hash
 from dcp_plus.storage.fanout import fan_out, gather
 
@@ -56,7 +58,7 @@ class PartBatch:
             self.nbytes += p.length
             if p.codec == DELTA_CODEC:
                 assert p.against is not None  # validated with the record
-                node.against = self._plan(p.against, holder, memoryview(bytearray(p.raw)), what)
+                node.against = self._plan(p.against, holder, out, what)  # the same bytes
         self.reads[node.where, p.file].append((p.offset, target))
         return node
 
@@ -87,11 +89,11 @@ class PartBatch:
         p = n.part
         where = f"{source(n.where)._location(p.file)}: {n.what}"
         if n.against is not None:
-            self._finish(n.against, source)
+            self._finish(n.against, source)  # n.out holds the bytes the delta was taken against
         if n.stored is not None:
             try:
                 if n.against is not None:
-                    decode_delta_into(n.stored, n.against.out, n.out)
+                    apply_delta(n.stored, n.out)
                 else:
                     get_codec(p.codec).decode_into(n.stored, n.out)
             except ValueError as e:

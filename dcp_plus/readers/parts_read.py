@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from dcp_plus.format.extent import Extent, extent_identity
 from dcp_plus.format.parts import Part, parts_digest, spans
-from dcp_plus.readers.extents import check_digest, check_extent_bounds
+from dcp_plus.readers.extents import check_digest, check_extent_bounds, describe
 from dcp_plus.readers.part_fill import PartBatch
 
 
@@ -101,12 +101,10 @@ BATCH_BYTES = 64 << 20
 
 def read_parts(reader: ExtentReader, siblings: Siblings,
                by_extent: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner,
-               describe: Callable[[MetadataIndex], str], dtype_of: Callable[[MetadataIndex],
-                                                                            str | None]) -> None:
+               dtype_of: Callable[[MetadataIndex], str | None]) -> None:
     """Read, verify (``reader.verify``) and deliver the extents of ``by_extent``, each of
     which :func:`needs_parts`: parts in batches of :data:`BATCH_BYTES`, each extent
     delivered once its last batch is done."""
-    whole: dict[str | None, dict[MetadataIndex, list[ReadItem]]] = defaultdict(dict)
     with ThreadPoolExecutor(reader.threads, thread_name_prefix="dcpp-parts") as pool:
         batch = PartBatch(reader.verify)
         waiting: list[Callable[[], None]] = []
@@ -122,9 +120,7 @@ def read_parts(reader: ExtentReader, siblings: Siblings,
 
         for index, reqs in by_extent.items():
             ext = reader._extent(index)
-            if ext.parts is None:  # a whole extent of a base, read as that base's own
-                whole[ext.base][index] = reqs
-                continue
+            assert ext.parts is not None  # a reference always has them (record checks)
             what = describe(index)
             if reader.verify:
                 check_digest(parts_digest(ext.parts), ext, what, reader.path,
@@ -141,8 +137,6 @@ def read_parts(reader: ExtentReader, siblings: Siblings,
         turn()
         assert previous is not None
         _finish(*previous, siblings, pool)
-    for name, group in whole.items():
-        siblings.get(name)._read_extents(group, planner)
 
 
 def _finish(batch: PartBatch, deliveries: list[Callable[[], None]], siblings: Siblings,

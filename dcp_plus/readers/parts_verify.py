@@ -3,24 +3,25 @@
 A file scan (:mod:`~dcp_plus.readers.file_check`) hashes the uncompressed parts stored in the
 checkpoint's own files as it reads them, and covers the encoded ones (their padding and tail
 are checked like any extent's). What remains is decoded here and checked against its hash:
-encoded own parts, and everything a record references in sibling checkpoints (whole extents
-and parts, delta chains included), so that ``verify`` follows every reference.
+encoded own parts, and every part a record references in sibling checkpoints (delta chains
+included), so that ``verify`` follows every reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
-from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.format.extent import Extent, extent_identity
+from dcp_plus.format.extent import Extent
 from dcp_plus.format.parts import Part
-from dcp_plus.readers.base import ExtentReader, describe
-from dcp_plus.readers.extents import digest_matches
+from dcp_plus.readers.base import ExtentReader
+from dcp_plus.readers.extents import describe
 from dcp_plus.readers.file_check import VerifyReport
-from dcp_plus.readers.parts_read import Siblings, fill_part
+from dcp_plus.readers.part_fill import PartBatch
+from dcp_plus.readers.parts_read import BATCH_BYTES, Siblings, fill_part
 
 Entry = tuple[MetadataIndex, Extent]
 
@@ -35,54 +36,50 @@ def own_entries(index: MetadataIndex, ext: Extent) -> Iterator[Entry]:
             yield index, Extent(p.file, p.offset, p.length, p.raw, p.codec, checksum)
 
 
-def verify_decoded(reader: ExtentReader, extents: list[Entry],
-                   dtype_of: Callable[[MetadataIndex], str | None], report: VerifyReport,
+def verify_decoded(reader: ExtentReader, extents: list[Entry], report: VerifyReport,
                    progress: Callable[[int], None] | None = None) -> None:
-    """Decode and check what :func:`own_entries` leaves out; one problem line per part or
-    extent that fails, naming its checkpoint, file and tensor."""
+    """Decode and check what :func:`own_entries` leaves out, in batches read one request
+    list per file; a batch that fails is checked again part by part, so that each problem
+    line names its checkpoint, file and tensor."""
     siblings = Siblings(reader)
+    todo = [(index, ext, p) for index, ext in extents for p in ext.parts or ()
+            if not (p.where is None and ext.base is None and p.codec == "identity")]
     try:
-        for index, ext in extents:
-            if ext.parts is None:
-                _check_whole(siblings, index, ext, dtype_of(index), report)
-                continue
-            for p in ext.parts:
-                if p.where is None and ext.base is None and p.codec == "identity":
-                    continue  # checked by the file scan
-                _check_part(reader, siblings, index, ext, p, report)
+        with ThreadPoolExecutor(reader.threads, thread_name_prefix="dcpp-verify") as pool:
+            while todo:
+                batch, size = [], 0
+                while todo and size < BATCH_BYTES:
+                    batch.append(todo.pop())
+                    size += batch[-1][2].raw
+                _check_batch(reader, siblings, batch, report, pool)
+                report.extents += len(batch)
+                report.bytes += sum(p.length for _, _, p in batch)
                 if progress is not None:
-                    progress(p.length)
+                    progress(sum(p.length for _, _, p in batch))
     finally:
         siblings.close()
 
 
-def _check_part(reader: ExtentReader, siblings: Siblings, index: MetadataIndex, ext: Extent,
-                p: Part, report: VerifyReport) -> None:
-    out = bytearray(p.raw)
+def _check_batch(reader: ExtentReader, siblings: Siblings,
+                 batch: list[tuple[MetadataIndex, Extent, Part]], report: VerifyReport,
+                 pool: ThreadPoolExecutor) -> None:
+    filler = PartBatch(verify=True)
+    for index, ext, p in batch:
+        filler.add(p, ext.base, memoryview(bytearray(p.raw)), describe(index))
     try:
-        fill_part(reader, siblings, p, ext.base, memoryview(out), describe(index))
-    except (CorruptCheckpointError, CheckpointFormatError, OSError, EOFError) as e:
-        report.problems.append(_where(siblings, p.where or ext.base, p.file, e))
-    report.extents += 1
-    report.bytes += p.length
+        filler.run(siblings.get, pool)
+        return
+    except _PROBLEMS:
+        pass
+    for index, ext, p in batch:  # which part, and where
+        try:
+            fill_part(reader, siblings, p, ext.base, memoryview(bytearray(p.raw)),
+                      describe(index))
+        except _PROBLEMS as e:
+            name = p.where or ext.base
+            report.problems.append(f"{p.file}: {e}" if name is None else
+                                   f"{siblings.get(name)._location(p.file)} (base checkpoint "
+                                   f"{name!r}): {e}")
 
 
-def _check_whole(siblings: Siblings, index: MetadataIndex, ext: Extent, dtype: str | None,
-                 report: VerifyReport) -> None:
-    other = siblings.get(ext.base)
-    buf = bytearray(ext.length)
-    try:
-        other._fill(ext.file, [(ext.offset, memoryview(buf))], describe(index))
-        if not digest_matches(checksum_bytes(memoryview(buf)), ext, extent_identity(index, dtype, ext)):
-            raise CorruptCheckpointError(f"checksum mismatch in {describe(index)} (bytes "
-                                         f"{ext.offset}..{ext.offset + ext.length})")
-    except (CorruptCheckpointError, CheckpointFormatError, OSError, EOFError) as e:
-        report.problems.append(_where(siblings, ext.base, ext.file, e))
-    report.extents += 1
-    report.bytes += ext.length
-
-
-def _where(siblings: Siblings, name: str | None, file: str, e: Exception) -> str:
-    if name is None:
-        return f"{file}: {e}"
-    return f"{siblings.get(name)._location(file)} (base checkpoint {name!r}): {e}"
+_PROBLEMS = (CorruptCheckpointError, CheckpointFormatError, OSError, EOFError)

@@ -22,7 +22,8 @@ def normalize_location(checkpoint_id: str | os.PathLike) -> str:
     if is_url(text) and not names_location(text):
         raise InvalidOptionError(f"{text!r} names no bucket or location: expected e.g. "
                                  "s3://bucket/prefix")
-    return text.rstrip("/") or "/"
+    where, sep, query = text.partition("?")
+    return f"{where.rstrip('/') or '/'}{sep}{query}"
 
 
 class StoreClient(abc.ABC):
@@ -78,12 +79,37 @@ class StoreClient(abc.ABC):
             self._store_obj = None
 
 
+_PARENT_DEPTH = {"nfs": 2}
+"""Path components (after ``scheme://``) a URL's parent keeps at least, so that a sibling
+stays in the same bucket (1: ``s3://bucket``) or NFS export (2: ``nfs://host/export``)."""
+
+
+def _parent(where: str) -> str:
+    """The parent location of ``where`` (no query); refused where a sibling would leave the
+    bucket or export.
+
+    Raises:
+        InvalidOptionError: ``where`` is a bucket's or an export's root.
+    """
+    scheme, sep, rest = where.partition("://")
+    if sep and len([c for c in rest.split("/") if c]) - 1 < _PARENT_DEPTH.get(scheme, 1):
+        raise InvalidOptionError(
+            f"{where}: incremental checkpoints reference checkpoints beside them, in the same "
+            "bucket or export; put this one below a key prefix or a directory")
+    return where.rstrip("/").rpartition("/")[0]
+
+
 def sibling_path(path: str, name: str) -> str:
     """The location of checkpoint ``name`` beside ``path`` (a directory or a URL; a URL's
-    query, e.g. ``nfs://...?version=4.1``, is kept)."""
+    query, e.g. ``nfs://...?version=4.1``, is kept).
+
+    Raises:
+        InvalidOptionError: ``path`` is a bucket's or an export's root.
+    """
     where, sep, query = path.partition("?")
-    parent = where.rpartition("/")[0]
-    return f"{parent}/{name}{sep}{query}" if "/" in where else f"{name}{sep}{query}"
+    if "/" not in where:
+        return f"{name}{sep}{query}"
+    return f"{_parent(where)}/{name}{sep}{query}"
 
 
 def sibling_name(path: str, other: str | os.PathLike) -> str:
@@ -97,8 +123,8 @@ def sibling_name(path: str, other: str | os.PathLike) -> str:
     here = path.partition("?")[0].rstrip("/")
     if not is_url(text) and not is_url(here):
         text, here = os.path.abspath(text), os.path.abspath(here)
-    parent, _, name = text.rpartition("/")
-    if parent != here.rpartition("/")[0] or not name or name == here.rpartition("/")[2]:
+    name = text.rpartition("/")[2]
+    if text.rpartition("/")[0] != _parent(here) or not name or name == here.rpartition("/")[2]:
         raise InvalidOptionError(
             f"base {os.fspath(other)!r} must be another checkpoint in the same directory as "
             f"{path!r} (incremental checkpoints reference their bases by name)")

@@ -29,7 +29,12 @@ from dcp_plus.format.codecs import Codec
 from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.parts import CHUNKED
-from dcp_plus.format.record import RECORD_NAME, decode_record, encode_record
+from dcp_plus.format.record import (
+    MAX_RECORD_BYTES,
+    RECORD_NAME,
+    decode_record,
+    encode_record,
+)
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.memory.slabs import SlabRef
 from dcp_plus.storage.location import StoreClient, sibling_name
@@ -243,6 +248,9 @@ class CommittingWriter(StoreClient, StorageWriter):
                 if chunking is not None:
                     extents += [(r.item.index, chunking.extent(r, fp.name, sums[id(r)]))
                                 for fp in files if chunked_file(fp, specs) for r, _ in fp.placed]
+                    # a file of nothing but references holds nothing: no record names it
+                    named = {e.file for _, e in extents if e.base is None}
+                    self._remove_own_files([fp.name for fp in files if fp.name not in named])
                 results = write_results(info.rank, info.world, self.save_id, extents,
                                         self._put_table, prefix)
         except BaseException:
@@ -270,7 +278,7 @@ class CommittingWriter(StoreClient, StorageWriter):
             # one job per file: never two writers to one
             jobs: list[Job | ChunkedJob] = list(self._worker_jobs(in_workers, pace))
             if specs:
-                jobs = [ChunkedJob(job, [specs[id(r)] for r, _ in fp.placed])  # type: ignore[arg-type]
+                jobs = [ChunkedJob(job, [specs[id(r)] for r, _ in fp.placed])  # type: ignore
                         for job, fp in zip(jobs, in_workers, strict=True)]
             sums = checksums_by_item(in_workers,
                                      shared_pool(self.workers, self.worker_nice).run(jobs))
@@ -327,7 +335,13 @@ class CommittingWriter(StoreClient, StorageWriter):
         metadata.storage_meta = self.storage_meta()
         metadata.version = CURRENT_DCP_VERSION
         record = encode_record(metadata, extents)
-        replaced = self._replaced_files() if self.overwrite else set()
+        if len(record) > MAX_RECORD_BYTES:  # no reader would accept it: never commit it
+            raise CheckpointFormatError(
+                f"{self.checkpoint_id}: the commit record would be {len(record)} bytes, more "
+                f"than readers accept ({MAX_RECORD_BYTES}); save fewer items, or with "
+                "incremental checkpoints larger parts or shorter chains (full_every)")
+        keep = self.increments is not None and self.increments.keep_replaced
+        replaced = self._replaced_files() if self.overwrite and not keep else set()
         if self.fence is not None:
             self.fence()  # a writer fenced off while this save ran must not commit it
         if not store.put(RECORD_NAME, record, if_absent=not self.overwrite):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.delta import encode_delta
 from dcp_plus.format.layout import ALIGNMENT, align_up
-from dcp_plus.format.parts import DELTA_CODEC, part_hash
+from dcp_plus.format.parts import DELTA_CODEC, MAX_PART_BYTES, part_hash
 
 DEFAULT_PART_BYTES = 1 << 20
 """Part size of incremental checkpoints: small enough that a frozen block inside a tensor, or
@@ -24,8 +24,9 @@ state lists ~2,000 parts."""
 def part_bytes_problem(value: object) -> str | None:
     """Why ``value`` cannot be a part size, or None."""
     if isinstance(value, bool) or not isinstance(value, int) or value < ALIGNMENT or \
-            value % ALIGNMENT:
-        return f"must be a positive multiple of {ALIGNMENT} bytes, got {value!r}"
+            value % ALIGNMENT or value > MAX_PART_BYTES:
+        return (f"must be a multiple of {ALIGNMENT} bytes from {ALIGNMENT} to "
+                f"{MAX_PART_BYTES}, got {value!r}")
     return None
 
 

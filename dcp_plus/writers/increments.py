@@ -20,9 +20,18 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from dcp_plus.errors import CheckpointFormatError, CheckpointNotFoundError, InvalidOptionError
 from dcp_plus.format.checksum import bind_checksum, checksum_bytes
 from dcp_plus.format.extent import Extent, identity_of
-from dcp_plus.format.parts import CHUNKED, DELTA_CODEC, PART_CODECS, Part, own_span, parts_digest
+from dcp_plus.format.extent_set import bases_of
+from dcp_plus.format.parts import (
+    CHUNKED,
+    DELTA_CODEC,
+    PART_CODECS,
+    Part,
+    can_extend,
+    own_span,
+    parts_digest,
+)
 from dcp_plus.format.record import RECORD_NAME, decode_record, dtype_name
-from dcp_plus.memory.slabs import SlabRef
+from dcp_plus.memory.slabs import SlabRef, registry
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.writers.chunk_encode import (
     DEFAULT_PART_BYTES,
@@ -58,6 +67,9 @@ class Increments:
     part_bytes: int = DEFAULT_PART_BYTES
     base_required: bool = True
     old: Mapping[MetadataIndex, SlabRef] | None = None
+    keep_replaced: bool = False
+    """An overwrite keeps the replaced record's data files (a sibling may reference them):
+    set by the manager and TorchTitan, which re-save a step only rarely."""
 
     def __post_init__(self) -> None:
         problem = part_bytes_problem(self.part_bytes)
@@ -137,6 +149,9 @@ def plan_chunking(writer: StoreClient, inc: Increments, items: list[ResolvedItem
                 == [b - a for a, b in part_bounds(len(r.data), inc.part_bytes)]):
             hashes = tuple(p.hash for p in base.parts)
         old = None if inc.old is None or hashes is None else inc.old.get(index)
+        if old is not None and base is not None and base.parts is not None and not all(
+                can_extend(p, inc.part_bytes) for p in base.parts):
+            old = None  # one more delta would pass the chain limits readers enforce
         if old is not None and (old.length != len(r.data) or (r.slab is not None and (
                 old.slab, old.offset) == (r.slab.slab, r.slab.offset))):
             old = None  # one buffer for both snapshots: the old bytes are gone
@@ -159,9 +174,17 @@ def _read_base(writer: StoreClient, inc: Increments) -> Metadata | None:
             log.warning("%s: base %s is not committed; this save is a full one", writer.path,
                         other.path)
             return None
-        return decode_record(data, f"{other.path}/{RECORD_NAME}")
+        md = decode_record(data, f"{other.path}/{RECORD_NAME}")
     finally:
         other._close_store()
+    own = writer.path.partition("?")[0].rstrip("/").rpartition("/")[2]
+    if own in (bases_of(md.storage_data) or ()):
+        # the base references the checkpoint this save replaces: referencing its bytes
+        # in turn would point this record at files the overwrite removes
+        log.warning("%s: base %s references the checkpoint this save replaces; this save is a "
+                    "full one", writer.path, other.path)
+        return None
+    return md
 
 
 def chunked_file(fp: FilePlan, specs: Mapping[int, ChunkSpec]) -> bool:
@@ -178,7 +201,8 @@ def encode_files(files: list[FilePlan], specs: Mapping[int, ChunkSpec]
         if not chunked_file(fp, specs):
             out.append(fp)
             continue
-        pieces = [encode_pieces(r.data, specs[id(r)]) for r, _ in fp.placed]
+        pieces = [encode_pieces(r.data, specs[id(r)], _old_bytes(specs[id(r)], len(r.data)))
+                  for r, _ in fp.placed]
         rows, _ = pack(pieces)
         packed = FilePlan(fp.name)
         for (r, _), ps, os_ in zip(fp.placed, pieces, rows, strict=True):
@@ -187,6 +211,19 @@ def encode_files(files: list[FilePlan], specs: Mapping[int, ChunkSpec]
                               for p, o in zip(ps, os_, strict=True) if p.data is not None]
         out.append(packed)
     return out, outcomes
+
+
+def _old_bytes(spec: ChunkSpec, n: int) -> memoryview | None:
+    """The previous snapshot's bytes at ``spec.old``, from its slab mapped in this process
+    (None when that slab is gone): what the worker processes read, for writers without them."""
+    if spec.old is None:
+        return None
+    slab = registry.by_name(spec.old[0])
+    try:
+        view = None if slab is None else slab.buffer[spec.old[1] : spec.old[1] + n]
+    except ValueError:  # closed meanwhile
+        return None
+    return view if view is not None and len(view) == n else None
 
 
 def stored_bytes(files: list[FilePlan], specs: Mapping[int, ChunkSpec],

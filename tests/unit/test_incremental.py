@@ -148,14 +148,18 @@ def test_a_hostile_reference_leaving_the_parent_directory_is_refused(tmp_path):
         LocalReader(tmp_path / "s1").read_metadata()
 
 
-def test_parts_of_a_stager_snapshot_are_stored_as_deltas_against_the_previous_one(tmp_path):
+@pytest.mark.parametrize("workers", [2, 0], ids=["worker-processes", "in-process"])
+def test_parts_of_a_stager_snapshot_are_stored_as_deltas_against_the_previous_one(tmp_path,
+                                                                                 workers):
     """Sparse updates dirty every part; with the previous snapshot still in its buffer
-    (``buffers=2``) the changed parts are XOR deltas, a fraction of their size."""
+    (``buffers=2``) the changed parts are XOR deltas, a fraction of their size: encoded by
+    the worker processes, or by the saving process (writers without a pool, as NFSWriter)."""
     gen = torch.Generator().manual_seed(3)
     live = {"emb": random_tensor((8192, 256), torch.float32, gen)}  # 8 MiB, 8 parts
     with ArenaStager(buffers=2) as stager:
         staged = stager.stage(live).result()
         first = LocalWriter(tmp_path / "s0", incremental=True)
+        first.workers = workers
         dcp.save(staged, storage_writer=first, no_dist=True)
         del staged
         rows = torch.randperm(8192, generator=gen)[:80]  # 1 % of the rows, spread out
@@ -163,6 +167,7 @@ def test_parts_of_a_stager_snapshot_are_stored_as_deltas_against_the_previous_on
         expected = clone_state(live)
         staged = stager.stage(live).result()
         second = LocalWriter(tmp_path / "s1", base=tmp_path / "s0")
+        second.workers = workers
         second.increments = dataclasses.replace(second.increments, old=first.last_slabs)
         dcp.save(staged, storage_writer=second, no_dist=True)
         del staged
@@ -180,3 +185,54 @@ def test_a_record_of_parts_is_sealed_json_that_names_its_bases(tmp_path):
     rec = json.loads((tmp_path / "s0" / ".metadata").read_bytes())
     assert rec["version"] == 5 and rec["bases"] == [] and rec["layout"] == "rows"
     assert all(e.get("codec") in ("chunked", "identity") for e in rec["extents"])
+
+
+def test_references_never_leave_a_bucket_or_an_export():
+    from dcp_plus.storage.location import normalize_location, sibling_name, sibling_path
+
+    assert sibling_path("s3://bucket/run/s1", "s0") == "s3://bucket/run/s0"
+    assert sibling_path("nfs://h:2049/export/t/s1?version=4.1", "s0") == \
+        "nfs://h:2049/export/t/s0?version=4.1"
+    for root in ("s3://bucket-a", "nfs://h/export"):
+        with pytest.raises(InvalidOptionError, match="same bucket or export"):
+            sibling_path(root, "elsewhere")
+    with pytest.raises(InvalidOptionError, match="same bucket or export"):
+        sibling_name("s3://bucket-a", "s3://bucket-b")
+    assert normalize_location("nfs://h/e/s2/?version=4.1") == "nfs://h/e/s2?version=4.1"
+
+
+def test_a_reader_reused_for_another_checkpoint_resolves_its_references_there(tmp_path):
+    runs = {}
+    for run, seed in (("a", 1), ("b", 2)):
+        sd = _state(seed)
+        _save(sd, tmp_path / run / "s0", incremental=True)
+        _train_step(sd, 1)
+        _save(sd, tmp_path / run / "s1", base=tmp_path / run / "s0")
+        runs[run] = clone_state(sd)
+    reader = LocalReader(tmp_path / "a" / "s1")
+    for run in ("a", "b"):
+        out = load_target(runs[run])
+        dcp.load(out, storage_reader=reader, checkpoint_id=tmp_path / run / "s1", no_dist=True)
+        assert_bit_exact(out, runs[run])
+
+
+def test_a_save_of_nothing_but_references_leaves_no_empty_file(tmp_path):
+    sd = {"frozen": torch.arange(1 << 19, dtype=torch.float32), "step": 1}
+    _save(sd, tmp_path / "s0", incremental=True)
+    sd["step"] = 2
+    _save(sd, tmp_path / "s1", base=tmp_path / "s0")
+
+    rec = read_record_json(tmp_path / "s1")
+    named = {e["file"] for e in rec["extents"] if "base" not in e}
+    assert {p.name for p in (tmp_path / "s1").glob("*.dcpp")} == named
+
+
+def test_a_record_larger_than_readers_accept_is_never_committed(tmp_path, monkeypatch):
+    import dcp_plus.writers.base as writer_base
+
+    monkeypatch.setattr(writer_base, "MAX_RECORD_BYTES", 2000)  # 1 GiB of record, in small
+    with pytest.raises(CheckpointException) as info:
+        _save(_state(), tmp_path / "s0", incremental=True)
+    ((error, _),) = info.value.failures.values()
+    assert "more than readers accept" in str(error)
+    assert not (tmp_path / "s0" / ".metadata").exists()

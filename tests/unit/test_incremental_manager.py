@@ -122,3 +122,22 @@ def test_retention_never_drops_a_referenced_step_and_stops_when_one_is_unknown()
 def test_bad_incremental_settings_are_refused_at_construction(tmp_path, kwargs):
     with pytest.raises(InvalidOptionError):
         CheckpointManager(tmp_path, **{"incremental": True, **kwargs})
+
+
+def test_saving_a_step_again_keeps_what_other_checkpoints_reference(tmp_path):
+    """Steps 1-3 chain; step 2 saved again (its base, step 3, references it): it is a full
+    save, and the files of the step 2 it replaced stay for step 3."""
+    state = _state()
+    seen = _run(tmp_path, range(1, 4), state, incremental=True, keep_last=None)
+    with CheckpointManager(tmp_path, interval=1, incremental=True, keep_last=None) as m:
+        for step in (2, 2, 3):  # the same step twice in a row, then again the newest
+            _touch(state, 10 + step)
+            m.save(step, state).result(timeout=120)
+            seen[step] = clone_state(state)
+
+    for step in (1, 2, 3):
+        assert verify(str(tmp_path / f"step_{step:08d}")).ok, step
+    target = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state.items()}
+    with CheckpointManager(tmp_path, read_only=True) as m:
+        assert m.load_latest(target) == 3
+    assert_bit_exact(target, seen[3])
