@@ -10,6 +10,7 @@ frames, XOR with the old bytes"; lossless for every dtype.
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 
 import numpy as np
@@ -59,6 +60,17 @@ def apply_delta(stored: memoryview, out: memoryview) -> None:
     Raises:
         ValueError: the frames do not decode to ``len(out)`` bytes.
     """
-    change = bytearray(len(out))
-    _codec(1).decode_into(stored, memoryview(change))
+    change = _scratch(len(out))
+    _codec(1).decode_into(stored, change)
     xor_into(out, change)
+
+
+_local = threading.local()
+
+
+def _scratch(n: int) -> memoryview:
+    """``n`` bytes of this thread's reused buffer (fresh memory is slow to touch here)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = bytearray(n)
+    return memoryview(buf)[:n]
