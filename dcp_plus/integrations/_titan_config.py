@@ -1,9 +1,17 @@
-"""Checks of ``DcpPlusCheckpointManager.Config``'s fields, each error naming the setting as a
-TorchTitan user writes it (``checkpoint.<field>``)."""
+"""``DcpPlusCheckpointManager``'s settings on top of TorchTitan's, and their checks, each
+error naming the setting as a TorchTitan user writes it (``checkpoint.<field>``).
+
+Imported only through :mod:`dcp_plus.integrations.torchtitan`, which checks that TorchTitan is
+installed first. The manager's nested ``Config`` subclasses :class:`DcpPlusConfig` (TorchTitan
+wires ``build()`` to the class that declares the ``Config``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from torchtitan.components.checkpointer import CheckpointManager
 
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.manager.increments import IncrementalOptions
@@ -13,6 +21,117 @@ from dcp_plus.storage.urls import is_url
 from dcp_plus.writers.chunk_encode import part_bytes_problem
 
 CODECS = ("identity", "zstd", "zstd+shuffle")
+
+
+
+@dataclass(kw_only=True, slots=True)
+class DcpPlusConfig(CheckpointManager.Config):
+    """TorchTitan's DCP checkpoint settings and dcp_plus's (``checkpoint.*``)."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"
+    """Save mode. Both async modes stage into dcp_plus's ArenaStager."""
+
+    async_executor: Literal["thread", "process"] = "thread"
+    """Where DCP runs the upload of an async save: a thread of the trainer, or DCP's
+    background process (which then also plans; the stager hands it slab names)."""
+
+    stager_buffers: int = 1
+    """ArenaStager buffers: 1 waits for the previous persist before a new snapshot; 2 lets
+    a snapshot be taken while the previous one persists (twice the shared memory)."""
+
+    stager_max_bytes: int | None = None
+    """Upper bound on the stager's shared memory; ``None`` for none."""
+
+    stager_device_copy: str = "auto"
+    """GPU-mode snapshots: ``"auto"`` copies into a device buffer first when device memory
+    allows (the step after a save then waits for an HBM copy, not the host copy),
+    ``"always"``, or ``"never"`` (see ``docs/stager.md``, "GPU mode")."""
+
+    stager_threads: int | None = None
+    """CPU copy threads of the stager (default: min(2, cpu count))."""
+
+    planner: Literal["cached", "default"] = "cached"
+    """``cached``: CachedSavePlanner (plans once per state-dict structure);
+    ``default``: DCP's DefaultSavePlanner."""
+
+    plan_cache_size: int = 4
+    """Structures the CachedSavePlanner remembers (full and model-only saves use two)."""
+
+    writer: Literal["auto", "local", "object_store"] = "auto"
+    """``auto``: ObjectStoreWriter when the checkpoint folder is a URL (``s3://...``),
+    LocalWriter otherwise."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec storage options for ObjectStoreWriter/Reader, passed through untouched."""
+
+    writer_workers: int = 2
+    """LocalWriter: size of the shared writer-process pool."""
+
+    writer_threads: int = 2
+    """LocalWriter: parallel files for data outside the stager's slabs."""
+
+    fsync: bool = True
+    """LocalWriter: fsync data files and directories."""
+
+    writer_direct_io: Literal["auto", "on", "off"] = "auto"
+    """LocalWriter: ``O_DIRECT`` data files, no checkpoint bytes left in the page cache
+    (``auto``: where the file system takes it, logged once where not; ``on``: the same,
+    the fallback a warning; ``off``: buffered writes)."""
+
+    writer_streams: int = 2
+    """LocalWriter: ``O_DIRECT`` writes in flight per rank."""
+
+    writer_max_bytes_per_s: float | None = None
+    """Either writer: cap on each rank's data write rate in bytes per second (all of
+    its processes and streams together); ``None``: no cap."""
+
+    writer_stagger: float = 0.0
+    """Either writer: rank ``LOCAL_RANK`` starts writing its data ``LOCAL_RANK *
+    writer_stagger`` seconds into its background persist, so a node's ranks
+    interleave."""
+
+    compression: Literal["identity", "zstd", "zstd+shuffle"] = "identity"
+    """Codec for every tensor."""
+
+    verify_on_load: bool = True
+    """Check every extent's checksum while loading."""
+
+    allow_pickle_on_load: bool = False
+    """Also load stock-DCP checkpoints (e.g. an ``initial_load_path`` written by
+    TorchTitan's own manager), whose ``.metadata`` is a pickle. Only for trusted
+    checkpoints."""
+
+    adaptive_budget: float | None = None
+    """Checkpoint when ``dcp_plus.schedule.AdaptiveInterval(p=adaptive_budget)``
+    (CheckFreq) says so instead of every ``interval`` steps: it measures the iteration,
+    staging and persist times and the exposed checkpoint cost, and picks the interval k
+    that keeps the exposed cost under this fraction of training time (0.05 = 5%).
+    Rank 0 decides and broadcasts; forced saves (the last step,
+    ``enable_first_step_checkpoint``) stay TorchTitan's. ``None``: ``interval``."""
+
+    adaptive_warmup: int = 5
+    """With ``adaptive_budget``: iterations measured before the policy's first
+    (profiling) checkpoint, counted from the start or resume of the job."""
+
+    incremental: bool = False
+    """Incremental checkpoints (``docs/incremental.md``): each save writes only the parts
+    that changed since the previous committed one and references the rest; the
+    ``keep_latest_k`` purge spares every step folder a kept one references."""
+
+    incremental_full_every: int = 8
+    """With ``incremental``: every N-th save (counted from the job's start or resume)
+    references nothing, so chains are at most N saves long."""
+
+    incremental_delta: bool = False
+    """With ``incremental``: changed parts as XOR deltas against the previous snapshot
+    (needs ``stager_buffers=2``, which keeps it)."""
+
+    incremental_part_bytes: int = 1 << 20
+    """With ``incremental``: the size of the parts tensors are compared by."""
+
+    def __post_init__(self) -> None:
+        CheckpointManager.Config.__post_init__(self)
+        check_config(self)
 
 
 def check_config(cfg: Any) -> None:
