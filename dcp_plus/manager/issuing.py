@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
@@ -64,7 +65,9 @@ class Issuer:
     """Starts saves for one manager."""
 
     stager: Any
-    planner: CachedSavePlanner
+    planner: SavePlanner
+    """A :class:`~dcp_plus.planners.CachedSavePlanner` (told each save's writer and group)
+    or any other DCP save planner."""
     group: Any
     distributed: bool
     tiers: Tiers | None
@@ -105,7 +108,8 @@ class Issuer:
     def _async_save(self, state: Mapping[str, Any], writer: Any, stager: Any) -> Any:
         # without a process group DCP's upload thread warns (by default once per process)
         # that torch.distributed is disabled: hiding it there takes a process-wide filter
-        self.planner.set_save_context(storage_writer=writer, process_group=self.group)
+        if isinstance(self.planner, CachedSavePlanner):
+            self.planner.set_save_context(storage_writer=writer, process_group=self.group)
         return dcp.async_save(dict(state), storage_writer=writer, planner=self.planner,
                               async_stager=stager, process_group=self.group,
                               no_dist=not self.distributed)

@@ -74,6 +74,25 @@ def tiers_for(options: TierOptions, root: str, rank: int, world_size: int, stage
     return Tiers(options, root, rank, world_size, ranks)
 
 
+def restore_from_tiers(tiers: Tiers, state: dict[str, Any], durable: list[int], *,
+                       path: Callable[[int], str], reader: Callable[[str], StorageReader],
+                       ctl: ControlGroup | None) -> Restore | None:
+    """The ranks agree (on ``ctl``) on the newest step every rank can restore from its own
+    memory, its partner's replica or the ``durable`` steps (this rank's committed ones,
+    ``path(step)`` their checkpoints), and restore ``state`` in place from the fastest tier.
+
+    Returns what was chosen, or None when no step qualifies. An all-durable choice is not
+    loaded here: the caller loads it its usual way (collective, verified).
+    """
+    def load_durable(step: int, plain_state: dict[str, Any]) -> None:
+        dcp.load(plain_state, storage_reader=reader(path(step)), planner=SafeLoadPlanner(),
+                 no_dist=True)
+
+    return tiers.restore(state, durable, load_durable,
+                         gather=ctl.gather if ctl is not None else lambda offer: [offer],
+                         everyone=ctl.everyone if ctl is not None else lambda ok: ok)
+
+
 def load_fastest(tiers: Tiers | None, root: CheckpointRoot, state: dict[str, Any], *,
                  reader: Callable[[str], StorageReader], verify: bool,
                  ctl: ControlGroup | None, group: Any, rank: int, world_size: int,
@@ -82,14 +101,8 @@ def load_fastest(tiers: Tiers | None, root: CheckpointRoot, state: dict[str, Any
     restore (durable storage alone without ``tiers``); None when there is none."""
     t0 = clock()
     if tiers is not None:
-        def load_durable(step: int, plain_state: dict[str, Any]) -> None:
-            dcp.load(plain_state, storage_reader=reader(root.path(step)),
-                     planner=SafeLoadPlanner(), no_dist=True)
-
-        done = tiers.restore(
-            state, root.committed(), load_durable,
-            gather=ctl.gather if ctl is not None else lambda offer: [offer],
-            everyone=ctl.everyone if ctl is not None else lambda ok: ok)
+        done = restore_from_tiers(tiers, state, root.committed(), path=root.path,
+                                  reader=reader, ctl=ctl)
         if done is not None and any(t != DURABLE for t in done.tiers):
             log.info("restored step %d from %s in %.2f s", done.step, done.tiers, done.seconds)
             return done

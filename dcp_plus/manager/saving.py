@@ -40,6 +40,29 @@ class SaveHistory:
         self.unread.append(stats)
 
 
+def keep_and_persist(issued: Issued, phase: Callable[[str], None]
+                     ) -> tuple[Exception | None, BaseException | None]:
+    """Once ``issued``'s snapshot is staged, let the memory tier keep it (phase ``memory``),
+    then wait for the persist (phase ``persist``; done at once when the save is not durable).
+
+    Returns (the tier's error, the persist's error). A snapshot the tier could not keep is
+    let go once the persist no longer reads it either.
+    """
+    wait_futures([issued.staged])
+    kept_error = None
+    if issued.keep is not None:
+        phase("memory")
+        try:
+            issued.keep()
+        except Exception as e:
+            kept_error = e
+    phase("persist")
+    wait_futures([issued.upload])
+    if kept_error is not None and issued.let_go is not None:
+        issued.let_go()
+    return kept_error, issued.upload.exception()
+
+
 @dataclass(eq=False)
 class Completion:
     """Finishes saves on the manager's thread."""
@@ -88,18 +111,9 @@ class Completion:
         upload = issued.upload
         try:
             wait_futures([handle.staged])
-            kept_error = None
-            if issued.keep is not None:
-                self.phase("memory", step)
-                try:
-                    issued.keep()
-                except Exception as e:  # the durable persist may still succeed: commit it
-                    kept_error = e
-            self.phase("persist", step)
-            wait_futures([upload])
-            if kept_error is not None and issued.let_go is not None:
-                issued.let_go()  # the persist no longer reads the snapshot either
-            failure = upload.exception()
+            # a snapshot the tier could not keep: the durable persist may still succeed,
+            # and is committed
+            kept_error, failure = keep_and_persist(issued, lambda p: self.phase(p, step))
             if failure is not None:
                 self.failed(handle, failure)
                 return
