@@ -81,9 +81,15 @@ def restore_from_tiers(tiers: Tiers, state: dict[str, Any], durable: list[int], 
     memory, its partner's replica or the ``durable`` steps (this rank's committed ones,
     ``path(step)`` their checkpoints), and restore ``state`` in place from the fastest tier.
 
-    Returns what was chosen, or None when no step qualifies. An all-durable choice is not
-    loaded here: the caller loads it its usual way (collective, verified).
+    Returns what was chosen, or None when no rank holds a snapshot (``state`` is then not
+    touched: a ``Stateful``'s ``state_dict()`` may change it, e.g. torch initializes an
+    optimizer's state) or no step qualifies. An all-durable choice is not loaded here: the
+    caller loads it its usual way (collective, verified), as it does on None.
     """
+    held = tiers.holds_snapshots()
+    if not (held if ctl is None else not ctl.everyone(not held)):
+        return None
+
     def load_durable(step: int, plain_state: dict[str, Any]) -> None:
         dcp.load(plain_state, storage_reader=reader(path(step)), planner=SafeLoadPlanner(),
                  no_dist=True)

@@ -107,6 +107,11 @@ class Tiers:
 
     # -- restoring ------------------------------------------------------------------------
 
+    def holds_snapshots(self) -> bool:
+        """Whether this rank holds a complete snapshot of this world size: its own, or a
+        replica of its source's. Reads the records only (the state is not asked for)."""
+        return bool(self.memory.records()) or (self.peer is not None and bool(self.peer.held()))
+
     def restore(self, state: dict[str, Any], durable: list[int],
                 load_durable: Callable[[int, dict[str, Any]], None],
                 gather: Callable[[Offer], list[Offer]], everyone: Callable[[bool], bool],
