@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dcp_plus.integrations._titan_schedule import LoopSchedule
 from dcp_plus.manager.control import ControlGroup
@@ -31,11 +31,8 @@ class AdaptiveSaves:
     _ctl: ControlGroup | None
 
     def _init_adaptive(self, budget: float, warmup: int) -> None:
-        """Rank 0 runs the policy; every step it broadcasts its answer on a gloo group of
-        its own (async uploads run collectives on ``self.pg`` from a background thread, and
-        gloo aborts on interleaved collectives)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            self._ctl = ControlGroup()
+        """Rank 0 runs the policy; every step it broadcasts its answer on ``_ctl`` (the
+        manager's gloo group for decisions; None for a single process)."""
         if self._ctl is None or dist.get_rank() == 0:
             self._schedule = LoopSchedule(AdaptiveInterval(budget, warmup=warmup))
         log.info("dcp_plus: checkpoint steps chosen by AdaptiveInterval(p=%g, warmup=%d) on "
@@ -57,11 +54,11 @@ class AdaptiveSaves:
         want = self._schedule.decide(step) if self._schedule is not None else False
         return want if self._ctl is None else self._ctl.rank0_decides(want)
 
-    def _report(self, step: int, waited_s: float, result: AsyncSaveResponse | None) -> None:
-        """Tell the adaptive schedule (rank 0) what this save cost the loop."""
+    def _report(self, step: int, waited_s: float, staged: Future | None,
+                done: Future | None) -> None:
+        """Tell the adaptive schedule (rank 0) what this save cost the loop (``staged``,
+        ``done``: its futures, None for a synchronous save)."""
         if self._schedule is None:
             return
-        self._schedule.saved(
-            step, blocking_s=waited_s + self.saves[-1].blocking_s, waited_s=waited_s,
-            staged=None if result is None else result.staging_completion,
-            done=None if result is None else result.upload_completion)
+        self._schedule.saved(step, blocking_s=waited_s + self.saves[-1].blocking_s,
+                             waited_s=waited_s, staged=staged, done=done)

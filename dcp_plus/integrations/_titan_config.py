@@ -18,6 +18,8 @@ from dcp_plus.manager.increments import IncrementalOptions
 from dcp_plus.stagers.device_copy import check_device_copy
 from dcp_plus.storage.rate import shaping_problem
 from dcp_plus.storage.urls import is_url
+from dcp_plus.tiers import TierOptions
+from dcp_plus.tiers.names import check_job_id
 from dcp_plus.writers.chunk_encode import part_bytes_problem
 
 CODECS = ("identity", "zstd", "zstd+shuffle")
@@ -129,6 +131,39 @@ class DcpPlusConfig(CheckpointManager.Config):
     incremental_part_bytes: int = 1 << 20
     """With ``incremental``: the size of the parts tensors are compared by."""
 
+    memory_tier: bool = False
+    """Keep every save's snapshot in ``/dev/shm``, where a restarted trainer of the job finds
+    it: resume then restores from memory (survives the trainer's crash or ``kill -9``, not
+    the node's loss). Needs an async ``async_mode`` with the ``thread`` executor; the stager
+    then has two buffers (the newest snapshot stays while the next is taken)."""
+
+    durable_every: int = 1
+    """With ``memory_tier``: the 1st, (N+1)-th, (2N+1)-th ... save (counted in saves, not
+    steps) is also persisted to its ``step-N`` folder; the others live in memory only."""
+
+    peer_tier: bool = False
+    """With ``memory_tier``: also replicate each snapshot into a partner rank's shared memory
+    (rank + ``ranks_per_node``, mod the world), over gloo; survives the loss of a node."""
+
+    ranks_per_node: int | None = None
+    """Ranks per node (failure domain) for ``peer_tier``; default: torchrun's
+    ``LOCAL_WORLD_SIZE``."""
+
+    job_id: str | None = None
+    """Names the job's snapshots in ``/dev/shm`` (1-64 characters of ``A-Za-z0-9_.``);
+    default: a hash of the checkpoint folder, so two jobs never share a snapshot."""
+
+    memory_tier_bytes: int | None = None
+    """Expected snapshot bytes per rank: when the manager is built, the shared memory the
+    tiers need at the peak (2x this, 4x with ``peer_tier``) is checked against ``/dev/shm``
+    and MemAvailable (``CapacityError`` names the numbers); ``None``: not checked."""
+
+    def tier_options(self) -> TierOptions:
+        """The memory and peer tier settings, as ``dcp_plus.manager.CheckpointManager``
+        takes them (raises ``ValueError`` naming a bad one)."""
+        return TierOptions(self.memory_tier, self.durable_every, self.job_id, self.peer_tier,
+                           self.ranks_per_node, None, self.memory_tier_bytes)
+
     def __post_init__(self) -> None:
         CheckpointManager.Config.__post_init__(self)
         check_config(self)
@@ -156,6 +191,7 @@ def check_config(cfg: Any) -> None:
         raise ValueError(f"checkpoint.writer='local' cannot write to the URL {cfg.folder!r}; "
                          "use writer='object_store' or 'auto'")
     _check_incremental(cfg)
+    _check_tiers(cfg)
 
 
 def incremental_options(cfg: Any) -> IncrementalOptions:
@@ -176,3 +212,28 @@ def _check_incremental(cfg: Any) -> None:
         raise ValueError("checkpoint.incremental_delta takes XOR deltas against the previous "
                          "snapshot, which the stager keeps only with "
                          "checkpoint.stager_buffers=2 and an async_mode")
+
+
+def _check_tiers(cfg: Any) -> None:
+    try:
+        cfg.tier_options()
+        if cfg.job_id is not None:
+            check_job_id(cfg.job_id)
+    except ValueError as e:
+        raise ValueError(f"checkpoint.{e}") from e
+    if cfg.memory_tier_bytes is not None and cfg.memory_tier_bytes < 1:
+        raise ValueError("checkpoint.memory_tier_bytes must be >= 1 or None, got "
+                         f"{cfg.memory_tier_bytes}")
+    if not cfg.memory_tier:
+        if cfg.durable_every != 1:
+            raise ValueError(f"checkpoint.durable_every={cfg.durable_every} needs "
+                             "checkpoint.memory_tier=True: without the memory tier every save "
+                             "is persisted")
+        return
+    if cfg.async_mode == "disabled":
+        raise ValueError("checkpoint.memory_tier=True needs checkpoint.async_mode 'async' or "
+                         "'async_with_pinned_mem' (the snapshot the tier keeps is the "
+                         "ArenaStager's), got 'disabled'")
+    if cfg.async_executor != "thread":
+        raise ValueError("checkpoint.memory_tier=True needs checkpoint.async_executor='thread' "
+                         f"(the tier hands DCP its snapshot), got {cfg.async_executor!r}")

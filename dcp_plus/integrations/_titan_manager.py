@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
@@ -26,6 +27,7 @@ from dcp_plus.integrations._titan_config import DcpPlusConfig, incremental_optio
 from dcp_plus.integrations._titan_errors import stock_checkpoint_hint
 from dcp_plus.integrations._titan_increments import TitanIncrements, purge_list
 from dcp_plus.integrations._titan_schedule import LoopSchedule
+from dcp_plus.integrations._titan_tiers import TitanTiers
 from dcp_plus.manager.control import ControlGroup
 from dcp_plus.manager.object_backend import ObjectStoreBackend
 from dcp_plus.manager.options import LocalWriterOptions, ObjectStoreWriterOptions
@@ -34,6 +36,8 @@ from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.stagers.device_copy import check_device_copy
 from dcp_plus.storage.urls import is_url
+from dcp_plus.tiers import Restore
+from dcp_plus.tiers.recovery import DURABLE
 from dcp_plus.writers import shutdown_pool
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ class SaveRecord:
     """Time the next ``maybe_wait_for_staging()`` (before ``optimizer.step()``) waited."""
     plan_cache_hit: bool | None = None
     """Whether every rank reused a cached plan (known once the save has finished)."""
+    durable: bool = True
+    """Whether it was persisted to its step folder (False: kept in the memory tier only)."""
 
 
 class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
@@ -72,6 +78,11 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
     ``async_mode="async"`` and ``"async_with_pinned_mem"`` both stage into the arena (pinned
     by the stager itself when tensors are on CUDA); ``"disabled"`` writes synchronously with
     the same writer and planner.
+
+    With ``memory_tier`` (and ``peer_tier``) every save is kept in shared memory (and a
+    partner's) and only every ``durable_every``-th is persisted to its step folder; resume
+    restores from the fastest tier every rank has, as ``dcp_plus.manager.CheckpointManager``
+    does, and reports it in ``last_restore`` (``docs/tiers.md``).
     """
 
     staging_future: Future | None
@@ -92,7 +103,8 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
         self._planner = self._make_save_planner()
         self.stager: ArenaStager | None = None  # type: ignore[assignment]
         if self.async_mode != AsyncMode.DISABLED:
-            self.stager = ArenaStager(buffers=config.stager_buffers,
+            # the memory tier keeps the newest snapshot in one buffer while the next is taken
+            self.stager = ArenaStager(buffers=2 if config.memory_tier else config.stager_buffers,
                                       max_bytes=config.stager_max_bytes,
                                       num_threads=config.stager_threads,
                                       executor=config.async_executor,
@@ -119,9 +131,24 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
                                             config.incremental_part_bytes)
                             if config.incremental else None)
         self._schedule: LoopSchedule | None = None
+        self._tiers: TitanTiers | None = None
+        self._finished = False  # the last step was saved: close() frees the memory tier
+        self.last_restore: Restore | None = None
+        """What the last resume did: the step, each rank's tier, seconds (None: fresh)."""
         self._ctl: ControlGroup | None = None
-        if config.adaptive_budget is not None and not self.load_only:
+        if self.load_only or (config.adaptive_budget is None and not config.memory_tier):
+            return
+        # rank-0 decisions and restore agreement: a gloo group of their own (async uploads
+        # run collectives on ``self.pg`` from a background thread, and gloo aborts on
+        # interleaved collectives)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._ctl = ControlGroup()
+        if config.adaptive_budget is not None:
             self._init_adaptive(config.adaptive_budget, config.adaptive_warmup)
+        if config.memory_tier:
+            assert self.stager is not None  # the config refuses async_mode="disabled"
+            self._tiers = TitanTiers(config.tier_options(), self.folder, self.stager,
+                                     self._planner, self.pg, self._ctl)
 
     # -- factories ----------------------------------------------------------------------
 
@@ -207,28 +234,43 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
         t0 = time.monotonic()
         self.maybe_wait_for_saving()
         waited = time.monotonic() - t0
-        if self.saves and isinstance(self._planner, CachedSavePlanner):
+        if self.saves and self.saves[-1].durable and isinstance(self._planner,
+                                                                CachedSavePlanner):
             self.saves[-1].plan_cache_hit = self._planner.last_was_hit
             log.info("dcp_plus: step %d save reused its cached plan: %s", self.saves[-1].step,
                      self._planner.last_was_hit)
         begin = time.monotonic()
         if last_step:
             self._save_last_step(curr_step)
+            self._finished = True
             self._record(SaveRecord(curr_step, "last", time.monotonic() - begin))
-            self._report(curr_step, waited, None)
+            self._report(curr_step, waited, None, None)
             return True
+        durable = self._issue(curr_step)
+        self._purge_stale_checkpoints()
+        self._record(SaveRecord(curr_step, self.async_mode.value, time.monotonic() - begin,
+                                durable=durable))
+        what = "saved" if self.save_future is None else "staged"
+        if self._tiers is not None:
+            what += " (memory tier and step folder)" if durable else " (memory tier only)"
+        log.info("dcp_plus: step %d checkpoint %s in %.3f s (blocking)", curr_step, what,
+                 self.saves[-1].blocking_s)
+        self._report(curr_step, waited, self.staging_future, self.save_future)
+        return True
+
+    def _issue(self, step: int) -> bool:
+        """Start the save of ``step`` (through the tiers when they are on) and set the
+        staging and save futures; returns whether it is persisted to its step folder."""
         states = self._flattened_model_states_sd()
-        result = self.dcp_save(states, checkpoint_id=self._create_checkpoint_id(curr_step),
-                               async_mode=self.async_mode)
+        checkpoint_id = self._create_checkpoint_id(step)
+        if self._tiers is not None:
+            started = self._tiers.save(step, states, lambda: self.make_writer(checkpoint_id))
+            self.staging_future, self.save_future = started.staged, started.done
+            return started.durable
+        result = self.dcp_save(states, checkpoint_id=checkpoint_id, async_mode=self.async_mode)
         if isinstance(result, AsyncSaveResponse):
             self.staging_future = result.staging_completion
             self.save_future = result.upload_completion
-        self._purge_stale_checkpoints()
-        self._record(SaveRecord(curr_step, self.async_mode.value, time.monotonic() - begin))
-        log.info("dcp_plus: step %d checkpoint %s in %.3f s (blocking)", curr_step,
-                 "staged" if result is not None else "saved", self.saves[-1].blocking_s)
-        self._report(curr_step, waited,
-                     result if isinstance(result, AsyncSaveResponse) else None)
         return True
 
     def _record(self, rec: SaveRecord) -> None:
@@ -267,6 +309,29 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
 
+    @torch.no_grad()
+    def _load(self, step: int = -1) -> bool:
+        """Resume (``step`` -1) with the memory tier: the newest step every rank can restore,
+        each rank from its own memory, its partner's replica or the step folder, as
+        ``dcp_plus.manager.CheckpointManager.load_latest`` does; otherwise TorchTitan's."""
+        if self._tiers is None or step != -1:
+            return CheckpointManager._load(self, step)
+        begin = time.monotonic()
+        states = self._states_to_load(model_only=False)
+        newest = self._find_load_step()  # TorchTitan's durable candidate (-1: none)
+        done = self._tiers.restore(states, [newest] if newest >= 0 else [],
+                                   self._create_checkpoint_id, self.make_reader)
+        if done is None:  # no snapshot anywhere: TorchTitan's resume, initial load or start
+            return CheckpointManager._load(self, -1)
+        if all(t == DURABLE for t in done.tiers):
+            CheckpointManager._load(self, done.step)  # TorchTitan's load, collective
+        elif MODEL in self.states:
+            self.states[MODEL].load_state_dict(states)  # model states are flattened
+        self.last_restore = Restore(done.step, done.tiers, time.monotonic() - begin)
+        log.info("dcp_plus: restored step %d from %s (tier per rank) in %.2f s", done.step,
+                 done.tiers, self.last_restore.seconds)
+        return True
+
     # -- teardown ---------------------------------------------------------------------------
 
     def _close(self) -> None:
@@ -275,6 +340,9 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
                 self.save_future.result()
                 self.save_future = None
         finally:
+            tiers, self._tiers = getattr(self, "_tiers", None), None
+            if tiers is not None:  # a job that did not finish keeps them for its restart
+                tiers.close(remove=self._finished)
             CheckpointManager._close(self)  # closes self.stager and the purge thread
             shutdown_pool()  # the shared writer processes (restarted on next use)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 
 import pytest
@@ -64,3 +65,35 @@ def test_recipe_helper_switches_the_trainer_checkpoint_config() -> None:
     assert isinstance(cfg.checkpoint, DcpPlusCheckpointManager.Config)
     assert cfg.checkpoint.last_save_model_only is False  # the recipe's own value is kept
     assert cfg.checkpoint.fsync is False
+
+
+def test_override_json_sets_the_memory_and_peer_tiers() -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from dcp_plus.integrations.torchtitan import use_dcp_plus
+    from dcp_plus.tiers import TierOptions
+
+    cfg = use_dcp_plus(CheckpointManager.Config(enable=True, async_mode="async"),
+                       memory_tier=True, durable_every=4, peer_tier=True, ranks_per_node=8,
+                       job_id="run.7", memory_tier_bytes=1 << 30)
+    assert cfg.tier_options() == TierOptions(True, 4, "run.7", True, 8, None, 1 << 30)
+
+
+@pytest.mark.parametrize(("bad", "message"), [
+    ({"memory_tier": True, "durable_every": 0}, "checkpoint.durable_every must be an integer"),
+    ({"durable_every": 3}, "checkpoint.durable_every=3 needs checkpoint.memory_tier=True"),
+    ({"peer_tier": True}, "checkpoint.peer_tier=True needs memory_tier=True"),
+    ({"memory_tier": True, "peer_tier": True, "ranks_per_node": 0},
+     "checkpoint.ranks_per_node must be >= 1"),
+    ({"memory_tier": True, "job_id": "../x"}, "checkpoint.job_id must be 1-64 characters"),
+    ({"memory_tier": True, "memory_tier_bytes": 0}, "checkpoint.memory_tier_bytes must be"),
+    ({"memory_tier": True, "async_mode": "disabled"},
+     "checkpoint.memory_tier=True needs checkpoint.async_mode 'async'"),
+    ({"memory_tier": True, "async_executor": "process"},
+     "checkpoint.memory_tier=True needs checkpoint.async_executor='thread'"),
+])
+def test_bad_tier_settings_are_refused_naming_the_setting(bad: dict, message: str) -> None:
+    from dcp_plus.integrations.torchtitan import DcpPlusCheckpointManager
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        DcpPlusCheckpointManager.Config(enable=True, **bad)
