@@ -17,13 +17,12 @@ asserts an accelerator): on a CPU-only machine it is attempted and reported as f
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 from tools.testkit.titan.assets import make_dataset, make_tokenizer
-from tools.testkit.titan.run import log_tail, run_titan
+from tools.testkit.titan.run import log_tail, read_jsonl, run_titan
 
 MODES = {
     "torchtitan async": ("stock_cpu", ["--checkpoint.async_mode", "async"]),
@@ -36,6 +35,10 @@ MODES = {
         "stock_cpu", ["--override.imports",
                       'dcp_plus.integrations.torchtitan.use_dcp_plus={"stager_buffers": 2}',
                       "--checkpoint.async_mode", "async"]),
+    "dcp_plus async, memory tier (durable_every=4)": (
+        "stock_cpu", ["--override.imports",
+                      'dcp_plus.integrations.torchtitan.use_dcp_plus={"memory_tier": true, '
+                      '"durable_every": 4}', "--checkpoint.async_mode", "async"]),
 }
 
 
@@ -70,8 +73,7 @@ def main() -> None:
             print(f"| {mode} | failed: `{why.strip()[:120]}` | | | | |")
             continue
         per_step: dict[int, list[dict]] = {}
-        for line in saves.read_text().splitlines():
-            r = json.loads(line)
+        for r in read_jsonl(saves):
             if not r["last"]:
                 per_step.setdefault(r["step"], []).append(r)
         steps = sorted(per_step)
@@ -88,8 +90,7 @@ def step_times(losses: Path, saved: set[int]) -> tuple[list[float], list[float]]
     """Wall ms from one logged step to the next (rank 0), split into those that follow a
     save (the save call, then a step beside the background persist) and the others. The
     first save and the steps before it (warm-up) are left out."""
-    rows = [json.loads(line) for line in losses.read_text().splitlines()]
-    t = {r["step"]: r["t"] for r in rows}
+    t = {r["step"]: r["t"] for r in read_jsonl(losses)}
     first = min(saved)
     after, other = [], []
     for s in sorted(t):

@@ -1,9 +1,10 @@
-"""Session fixtures for tests against real servers."""
+"""Session fixtures for tests against real servers, and the reference TorchTitan job."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -52,3 +53,21 @@ def ganesha() -> Iterator[GaneshaServer]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def titan_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A local tokenizer and dataset, and TorchTitan job A on them, which runs through (the
+    stock recipe + ``--override.imports`` of dcp_plus, 12 steps, a checkpoint every 3): the
+    uninterrupted losses (``A.losses.jsonl``) every resumed job is compared with."""
+    pytest.importorskip("torchtitan", reason="TorchTitan is not installed")
+    from tools.testkit.titan.assets import make_dataset, make_tokenizer
+    from tools.testkit.titan.run import titan_job
+
+    root = tmp_path_factory.mktemp("titan")
+    make_tokenizer(root / "tokenizer")
+    make_dataset(root / "data")
+    a = titan_job(root, "A", "stock_cpu", root / "A",
+                  ["--override.imports", "dcp_plus.integrations.torchtitan.use_dcp_plus",
+                   "--checkpoint.async_mode", "async"])
+    return {"root": root, "A": a}

@@ -21,45 +21,22 @@ pytest.importorskip(
 pytest.importorskip("tokenizers", reason="TorchTitan's tokenizer needs `tokenizers`")
 
 from tools.testkit.seaweed import BUCKET  # noqa: E402
-from tools.testkit.titan.assets import make_dataset, make_tokenizer  # noqa: E402
-from tools.testkit.titan.run import log_tail, run_titan  # noqa: E402
+from tools.testkit.titan.run import (  # noqa: E402
+    committed_steps,
+    log_tail,
+    losses_of,
+    read_jsonl,
+    titan_job,
+)
 
 STEPS = 12
 INTERVAL = 3
 KILL_AT = 8  # every rank SIGKILLs itself when step 8 starts: saves of steps 3 and 6 were issued
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _losses(path: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in _read_jsonl(path)}
-
-
-def _committed_steps(folder: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*")
-                  if (p / ".metadata").exists())
-
-
-def _job(root: Path, name: str, config: str, dump: Path, extra: list[str],
-         env: dict[str, str] | None = None) -> list[int]:
-    """One 2-rank TorchTitan job on the module's tokenizer and dataset."""
-    args = ["--module", "tools.testkit.titan.recipe", "--config", config,
-            "--hf_assets_path", str(root / "tokenizer"),
-            "--dataloader.dataset_path", str(root / "data"),
-            "--dump_folder", str(dump), "--training.steps", str(STEPS),
-            "--checkpoint.interval", str(INTERVAL), *extra]
-    env = {"DCPP_TITAN_LOSSES": str(root / f"{name}.losses.jsonl"),
-           "DCPP_TITAN_SAVES": str(root / f"{name}.saves.jsonl"), **(env or {})}
-    return run_titan(args, root, env=env, name=name)
-
-
 def _saved_steps(root: Path, name: str, rank: int) -> list[int]:
     """Steps at which ``save()`` returned True on ``rank``."""
-    return [r["step"] for r in _read_jsonl(root / f"{name}.saves.jsonl") if r["rank"] == rank]
+    return [r["step"] for r in read_jsonl(root / f"{name}.saves.jsonl") if r["rank"] == rank]
 
 
 def _resumed_from(root: Path, name: str, folder: str) -> int | None:
@@ -69,20 +46,15 @@ def _resumed_from(root: Path, name: str, folder: str) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Three jobs: A runs through (stock recipe + --override.imports); B (the dcp_plus
-    recipe) is killed at step 8; C restarts B's job unchanged and resumes."""
-    root = tmp_path_factory.mktemp("titan")
-    make_tokenizer(root / "tokenizer")
-    make_dataset(root / "data")
-    out: dict[str, Any] = {"root": root}
-    out["A"] = _job(root, "A", "stock_cpu", root / "A",
-                    ["--override.imports", "dcp_plus.integrations.torchtitan.use_dcp_plus",
-                     "--checkpoint.async_mode", "async"])
-    out["B"] = _job(root, "B", "dcp_plus_cpu", root / "B", [],
-                    {"DCPP_TITAN_KILL_AT": str(KILL_AT)})
-    out["B_committed"] = _committed_steps(root / "B" / "checkpoint")
-    out["C"] = _job(root, "C", "dcp_plus_cpu", root / "B", [])
+def titan(titan_reference: dict[str, Any]) -> dict[str, Any]:
+    """Job A (``titan_reference``: runs through, stock recipe + --override.imports); B (the
+    dcp_plus recipe) is killed at step 8; C restarts B's job unchanged and resumes."""
+    root = titan_reference["root"]
+    out: dict[str, Any] = dict(titan_reference)
+    out["B"] = titan_job(root, "B", "dcp_plus_cpu", root / "B", [],
+                         {"DCPP_TITAN_KILL_AT": str(KILL_AT)})
+    out["B_committed"] = committed_steps(root / "B" / "checkpoint")
+    out["C"] = titan_job(root, "C", "dcp_plus_cpu", root / "B", [])
     return out
 
 
@@ -92,11 +64,11 @@ def test_override_import_selects_dcp_plus_and_training_completes(titan: dict[str
     log = (root / "A.rank0.log").read_text()
     assert "DcpPlusCheckpointManager.Config" in log  # the override's replacement line
     folder = root / "A" / "checkpoint"
-    assert _committed_steps(folder) == [3, 6, 9, 12]
+    assert committed_steps(folder) == [3, 6, 9, 12]
     for step in (3, 12):
         record = json.loads((folder / f"step-{step}" / ".metadata").read_text())
         assert record["format"] == "dcp_plus"
-    losses = _losses(root / "A.losses.jsonl")
+    losses = losses_of(root / "A.losses.jsonl")
     assert sorted(losses) == list(range(1, STEPS + 1))
     assert losses[STEPS] < losses[1]  # it trains
 
@@ -122,7 +94,7 @@ def test_killed_job_resumes_from_latest_and_loss_curve_continues_exactly(
     assert f"Loading the checkpoint from {root / 'B' / 'checkpoint' / f'step-{resumed_from}'}" \
         in (root / "C.rank0.log").read_text()
 
-    a, b, c = (_losses(root / f"{n}.losses.jsonl") for n in "ABC")
+    a, b, c = (losses_of(root / f"{n}.losses.jsonl") for n in "ABC")
     assert sorted(b) == list(range(1, KILL_AT))
     assert sorted(c) == list(range(resumed_from + 1, STEPS + 1))
     for step, loss in b.items():  # same seed, same data: the runs agree before the kill
@@ -132,7 +104,7 @@ def test_killed_job_resumes_from_latest_and_loss_curve_continues_exactly(
 
 
 def test_saves_report_their_blocking_time(titan: dict[str, Any]) -> None:
-    saves = _read_jsonl(titan["root"] / "A.saves.jsonl")
+    saves = read_jsonl(titan["root"] / "A.saves.jsonl")
     steps = sorted({s["step"] for s in saves})
     assert steps == [3, 6, 9, 12]
     assert {s["rank"] for s in saves} == {0, 1}
@@ -169,10 +141,10 @@ def adaptive(titan: dict[str, Any]) -> dict[str, Any]:
     flags = ["--checkpoint.adaptive_budget", str(ADAPTIVE_P),
              "--checkpoint.adaptive_warmup", str(ADAPTIVE_WARMUP)]
     out: dict[str, Any] = {"root": root}
-    out["D"] = _job(root, "D", "dcp_plus_cpu", root / "D", flags,
-                    {"DCPP_TITAN_KILL_AT": str(ADAPTIVE_KILL_AT)})
-    out["D_committed"] = _committed_steps(root / "D" / "checkpoint")
-    out["E"] = _job(root, "E", "dcp_plus_cpu", root / "D", flags)
+    out["D"] = titan_job(root, "D", "dcp_plus_cpu", root / "D", flags,
+                         {"DCPP_TITAN_KILL_AT": str(ADAPTIVE_KILL_AT)})
+    out["D_committed"] = committed_steps(root / "D" / "checkpoint")
+    out["E"] = titan_job(root, "E", "dcp_plus_cpu", root / "D", flags)
     return out
 
 
@@ -211,7 +183,7 @@ def test_adaptive_resume_continues_the_loss_curve_exactly(
     assert adaptive["E"] == [0, 0], log_tail(root, "E")
     resumed_from = _resumed_from(root, "E", str(root / "D" / "checkpoint"))
     assert resumed_from == adaptive["D_committed"][-1]
-    a, d, e = (_losses(root / f"{n}.losses.jsonl") for n in "ADE")
+    a, d, e = (losses_of(root / f"{n}.losses.jsonl") for n in "ADE")
     assert sorted(d) == list(range(1, ADAPTIVE_KILL_AT))
     assert sorted(e) == list(range(resumed_from + 1, STEPS + 1))
     for step, loss in {**d, **e}.items():  # saving on other steps changes nothing
@@ -234,13 +206,13 @@ def incremental(titan: dict[str, Any]) -> dict[str, Any]:
     restarts it unchanged and resumes."""
     root = titan["root"]
     out: dict[str, Any] = {"root": root}
-    out["I"] = _job(root, "I", "dcp_plus_incremental_cpu", root / "I", [],
-                    {"DCPP_TITAN_KILL_AT": str(INCR_KILL_AT)})
+    out["I"] = titan_job(root, "I", "dcp_plus_incremental_cpu", root / "I", [],
+                         {"DCPP_TITAN_KILL_AT": str(INCR_KILL_AT)})
     folder = root / "I" / "checkpoint"
-    out["I_committed"] = _committed_steps(folder)
+    out["I_committed"] = committed_steps(folder)
     out["I_bases"] = {s: json.loads((folder / f"step-{s}" / ".metadata").read_text())["bases"]
                       for s in out["I_committed"]}
-    out["J"] = _job(root, "J", "dcp_plus_incremental_cpu", root / "I", [])
+    out["J"] = titan_job(root, "J", "dcp_plus_incremental_cpu", root / "I", [])
     return out
 
 
@@ -258,7 +230,7 @@ def test_incremental_checkpoints_resume_exactly_and_the_purge_keeps_their_bases(
     assert incremental["J"] == [0, 0], log_tail(root, "J")
     resumed_from = committed[-1]
     assert _resumed_from(root, "J", str(root / "I" / "checkpoint")) == resumed_from
-    a, i, j = (_losses(root / f"{n}.losses.jsonl") for n in "AIJ")
+    a, i, j = (losses_of(root / f"{n}.losses.jsonl") for n in "AIJ")
     assert sorted(j) == list(range(resumed_from + 1, STEPS + 1))
     for step, loss in {**i, **j}.items():  # deltas decoded through the chain, exactly
         assert loss == a[step], (step, loss, a[step])
@@ -281,15 +253,15 @@ def s3_jobs(titan: dict[str, Any], seaweed: Any) -> dict[str, Any]:
     env = {"FSSPEC_S3": json.dumps(seaweed.storage_options())}
     flags = ["--checkpoint.folder", folder]
     out: dict[str, Any] = {"root": root, "folder": folder}
-    out["F"] = _job(root, "F", "dcp_plus_cpu", root / "F", flags,
-                    {**env, "DCPP_TITAN_KILL_AT": str(KILL_AT)})
+    out["F"] = titan_job(root, "F", "dcp_plus_cpu", root / "F", flags,
+                         {**env, "DCPP_TITAN_KILL_AT": str(KILL_AT)})
     # no listing cache: G's saves must be seen after F's listing
     fs = s3fs.S3FileSystem(**seaweed.storage_options(skip_instance_cache=True,
                                                      use_listings_cache=False))
     out["F_committed"] = sorted(
         int(p.rstrip("/").rsplit("-", 1)[1]) for p in fs.ls(folder.removeprefix("s3://"))
         if fs.exists(f"{p}/.metadata"))
-    out["G"] = _job(root, "G", "dcp_plus_cpu", root / "F", flags, env)
+    out["G"] = titan_job(root, "G", "dcp_plus_cpu", root / "F", flags, env)
     out["fs"] = fs
     return out
 
@@ -306,7 +278,7 @@ def test_s3_checkpoints_through_torchtitan_resume_bit_exact(
     assert s3_jobs["G"] == [0, 0], log_tail(root, "G")
     resumed_from = _resumed_from(root, "G", folder)
     assert resumed_from == committed[-1]
-    a, f, g = (_losses(root / f"{n}.losses.jsonl") for n in "AFG")
+    a, f, g = (losses_of(root / f"{n}.losses.jsonl") for n in "AFG")
     assert sorted(f) == list(range(1, KILL_AT))
     assert sorted(g) == list(range(resumed_from + 1, STEPS + 1))
     for step, loss in {**f, **g}.items():
@@ -325,11 +297,11 @@ def adopted(titan: dict[str, Any]) -> dict[str, Any]:
     dump = root / "S"
     override = "dcp_plus.integrations.torchtitan.use_dcp_plus"
     out: dict[str, Any] = {"root": root, "dump": dump}
-    out["S"] = _job(root, "S", "stock_cpu", dump, [], {"DCPP_TITAN_KILL_AT": str(KILL_AT)})
-    out["S_committed"] = _committed_steps(dump / "checkpoint")
-    out["T"] = _job(root, "T", "stock_cpu", dump, ["--override.imports", override])
-    out["U"] = _job(root, "U", "stock_cpu", dump,
-                    ["--override.imports", f'{override}={{"allow_pickle_on_load": true}}'])
+    out["S"] = titan_job(root, "S", "stock_cpu", dump, [], {"DCPP_TITAN_KILL_AT": str(KILL_AT)})
+    out["S_committed"] = committed_steps(dump / "checkpoint")
+    out["T"] = titan_job(root, "T", "stock_cpu", dump, ["--override.imports", override])
+    out["U"] = titan_job(root, "U", "stock_cpu", dump,
+                         ["--override.imports", f'{override}={{"allow_pickle_on_load": true}}'])
     return out
 
 
@@ -349,7 +321,7 @@ def test_adopting_dcp_plus_on_stock_checkpoints_names_the_setting_and_then_resum
     resumed_from = committed[-1]
     assert f"Loading the checkpoint from {dump / 'checkpoint' / f'step-{resumed_from}'}" \
         in (root / "U.rank0.log").read_text()
-    a, u = _losses(root / "A.losses.jsonl"), _losses(root / "U.losses.jsonl")
+    a, u = losses_of(root / "A.losses.jsonl"), losses_of(root / "U.losses.jsonl")
     assert sorted(u) == list(range(resumed_from + 1, STEPS + 1))
     for step, loss in u.items():
         assert loss == a[step], (step, loss, a[step])
@@ -372,9 +344,9 @@ def test_converted_to_stock_dcp_a_step_resumes_in_stock_torchtitan(
                            "--to", "dcp"], capture_output=True, text=True, timeout=300)
     assert conv.returncode == 0, conv.stderr
     assert (dst / ".metadata").read_bytes()[:1] != b"{"  # a stock (pickled) record
-    assert _job(root, "V", "stock_cpu", dump, []) == [0, 0], log_tail(root, "V")
+    assert titan_job(root, "V", "stock_cpu", dump, []) == [0, 0], log_tail(root, "V")
     assert f"Loading the checkpoint from {dst}" in (root / "V.rank0.log").read_text()
-    a, v = _losses(root / "A.losses.jsonl"), _losses(root / "V.losses.jsonl")
+    a, v = losses_of(root / "A.losses.jsonl"), losses_of(root / "V.losses.jsonl")
     assert sorted(v) == list(range(10, STEPS + 1))
     for step, loss in v.items():
         assert loss == a[step], (step, loss, a[step])
@@ -387,13 +359,13 @@ def test_settings_in_the_override_json_reach_dcp_plus_on_a_stock_config(
     root = titan["root"]
     override = ('dcp_plus.integrations.torchtitan.use_dcp_plus='
                 '{"adaptive_budget": 0.05, "adaptive_warmup": 2}')
-    assert _job(root, "W", "stock_cpu", root / "W", ["--override.imports", override,
-                                                      "--checkpoint.async_mode", "async"]) \
+    assert titan_job(root, "W", "stock_cpu", root / "W", ["--override.imports", override,
+                                                           "--checkpoint.async_mode", "async"]) \
         == [0, 0], log_tail(root, "W")
     assert "checkpoint steps chosen by AdaptiveInterval(p=0.05, warmup=2)" in \
         (root / "W.rank0.log").read_text()
-    refused = _job(root, "X", "stock_cpu", root / "X",
-                   ["--override.imports", "dcp_plus.integrations.torchtitan.use_dcp_plus",
-                    "--checkpoint.adaptive_budget", "0.05"])
+    refused = titan_job(root, "X", "stock_cpu", root / "X",
+                        ["--override.imports", "dcp_plus.integrations.torchtitan.use_dcp_plus",
+                         "--checkpoint.adaptive_budget", "0.05"])
     assert all(code != 0 for code in refused)
     assert "Unrecognized options: --checkpoint.adaptive_budget" in (root / "X.rank0.log").read_text()

@@ -16,7 +16,9 @@ Shims (TorchTitan 0.3.0 assumes an accelerator):
 * ``torch.distributed.barrier(device_ids=...)``: gloo takes no device ids, they are dropped;
 * recorded for the tests: every logged step's loss (full precision) is appended to
   ``$DCPP_TITAN_LOSSES`` on rank 0; ``$DCPP_TITAN_SAVES`` gets each save's blocking time; ``$DCPP_TITAN_KILL_AT=N`` makes every rank SIGKILL itself
-  when step N starts (a deterministic ``kill -9`` of the whole job).
+  when step N starts (a deterministic ``kill -9`` of the whole job); with
+  ``$DCPP_TITAN_KILL_SETTLED=1`` it first waits for the save in flight to complete
+  (``maybe_wait_for_saving()``: its memory record, replica and persist).
 Attention (SDPA instead of FlexAttention), SUM reductions and the SPMD backend are set in
 the recipe ``tools.testkit.titan.recipe``.
 """
@@ -102,11 +104,14 @@ def apply_test_hooks() -> None:
     saves = os.environ.get("DCPP_TITAN_SAVES")
     flush_saves = _record_save_times(saves) if saves else lambda: None
     kill_at = int(os.environ.get("DCPP_TITAN_KILL_AT", "0"))
+    settled = os.environ.get("DCPP_TITAN_KILL_SETTLED") == "1"
     if kill_at:
         train_step = Trainer.train_step
 
         def maybe_die(self: Any, *args: Any, **kwargs: Any) -> Any:
             if self.step == kill_at:
+                if settled:
+                    self.checkpointer.maybe_wait_for_saving()
                 flush_saves()  # the record of the last save before the kill
                 os.kill(os.getpid(), signal.SIGKILL)
             return train_step(self, *args, **kwargs)
