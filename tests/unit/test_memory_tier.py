@@ -110,6 +110,19 @@ def test_damaged_snapshot_bytes_are_detected_and_not_loaded(tmp_path, job):
     m2.close()
 
 
+def test_a_newer_snapshot_of_another_world_size_is_removed_and_durable_storage_used(
+        tmp_path, job):
+    from dcp_plus.stagers import ArenaStager
+    from dcp_plus.tiers.memory import MemoryTier
+
+    _saved(tmp_path / "r", job).close(keep_snapshots=True)
+    with ArenaStager(buffers=2) as stager:  # rank 0's step 5 of the same job on 2 ranks
+        MemoryTier(job, 0, 2).take(5, stager.stage(_state(5)).result(timeout=60))
+    assert [f.step for f in names.listing(job) if f.kind == "record"] == [5]
+    _assert_restores(tmp_path / "r", job, 3, "durable")  # 1 rank now: step 5 is not used
+    assert names.listing(job) == []
+
+
 def test_the_memory_tier_refuses_a_stager_with_one_buffer(tmp_path, job):
     from dcp_plus.stagers import ArenaStager
 
