@@ -81,8 +81,9 @@ class Chain:
         self.current_base = None if full or self._base is None else self._base[0]
         base = None if self.current_base is None else sibling_name(writer.path,
                                                                     self.current_base)
+        known = None if base is None or self._base is None else self._base[1].last_extents
         writer.increments = Increments(base, self.part_bytes, base_required=False, old=old,
-                                       keep_replaced=True)
+                                       keep_replaced=True, known=known)
         self._count += 1
         self._pending = (path, writer, committed)
         return writer

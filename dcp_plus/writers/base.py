@@ -50,9 +50,11 @@ from dcp_plus.writers.extent_tables import (
     write_results,
 )
 from dcp_plus.writers.increments import (
+    BaseExtents,
     Increments,
     chunked_file,
     encode_files,
+    own_extents,
     plan_chunking,
     stored_bytes,
 )
@@ -124,6 +126,7 @@ class CommittingWriter(StoreClient, StorageWriter):
         self.last_slabs: dict[MetadataIndex, SlabRef] = {}
         """Where this rank's last save read each slab-backed item (incremental saves only):
         a later save's XOR deltas are taken against those bytes while they last."""
+        self.last_extents: BaseExtents | None = None  # and its extents, for a later base
 
     # -- what a subclass provides -----------------------------------------------------------
 
@@ -251,6 +254,7 @@ class CommittingWriter(StoreClient, StorageWriter):
                     # a file of nothing but references holds nothing: no record names it
                     named = {e.file for _, e in extents if e.base is None}
                     self._remove_own_files([fp.name for fp in files if fp.name not in named])
+                    self.last_extents = own_extents(items, extents)
                 results = write_results(info.rank, info.world, self.save_id, extents,
                                         self._put_table, prefix)
         except BaseException:

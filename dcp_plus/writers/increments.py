@@ -15,7 +15,8 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from dcp_plus.errors import CheckpointFormatError, CheckpointNotFoundError, InvalidOptionError
 from dcp_plus.format.checksum import bind_checksum, checksum_bytes
@@ -50,6 +51,14 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
+class BaseExtents:
+    """A base checkpoint's extents (of some items) and its tensors' dtypes."""
+
+    extents: Mapping[MetadataIndex, Extent]
+    dtypes: Mapping[str, torch.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
 class Increments:
     """A writer's incremental settings (see ``LocalWriter(base=..., part_bytes=...)``).
 
@@ -70,6 +79,11 @@ class Increments:
     keep_replaced: bool = False
     """An overwrite keeps the replaced record's data files (a sibling may reference them):
     set by the manager and TorchTitan, which re-save a step only rarely."""
+    known: BaseExtents | None = None
+    """The base's extents of this rank's items as this rank's writer of the base built them
+    (the manager's chain): the base's commit record, as large as the world's, is then not
+    read by every rank at every save."""
+
 
     def __post_init__(self) -> None:
         problem = part_bytes_problem(self.part_bytes)
@@ -126,9 +140,15 @@ def plan_chunking(writer: StoreClient, inc: Increments, items: list[ResolvedItem
                   codecs: CodecChoice) -> Chunking:
     """This rank's :class:`Chunking`: the base's record read (if there is one) and each
     tensor item compared with the base's extent of the same index."""
-    base_md = _read_base(writer, inc)
-    extents: Mapping[MetadataIndex, Extent] = {} if base_md is None else base_md.storage_data
-    sd = {} if base_md is None else base_md.state_dict_metadata
+    found = None if inc.base is None else inc.known or _read_base(writer, inc)
+    if found is not None and _own_name(writer) in (bases_of(found.extents) or ()):
+        # the base references the checkpoint this save replaces: referencing its bytes
+        # in turn would point this record at files the overwrite removes
+        log.warning("%s: base %s references the checkpoint this save replaces; this save is a "
+                    "full one", writer.path, inc.base)
+        found = None
+    extents = {} if found is None else found.extents
+    dtypes = {} if found is None else found.dtypes
     specs = {}
     for r in items:
         td = r.item.tensor_data
@@ -142,9 +162,8 @@ def plan_chunking(writer: StoreClient, inc: Increments, items: list[ResolvedItem
         index = r.item.index
         base = extents.get(index)
         hashes = None
-        md = sd.get(index.fqn)
-        if (base is not None and base.parts is not None and isinstance(md, TensorStorageMetadata)
-                and md.properties.dtype == td.properties.dtype
+        if (base is not None and base.parts is not None
+                and dtypes.get(index.fqn) == td.properties.dtype
                 and [p.raw for p in base.parts]
                 == [b - a for a, b in part_bounds(len(r.data), inc.part_bytes)]):
             hashes = tuple(p.hash for p in base.parts)
@@ -157,10 +176,21 @@ def plan_chunking(writer: StoreClient, inc: Increments, items: list[ResolvedItem
             old = None  # one buffer for both snapshots: the old bytes are gone
         specs[id(r)] = ChunkSpec(inc.part_bytes, hashes, codec, td.properties.dtype.itemsize,
                                  None if old is None else (old.slab, old.offset))
-    return Chunking(specs, None if base_md is None else inc.base, extents)
+    return Chunking(specs, None if found is None else inc.base, extents)
 
 
-def _read_base(writer: StoreClient, inc: Increments) -> Metadata | None:
+def own_extents(items: list[ResolvedItem], extents: list[tuple[MetadataIndex, Extent]]
+                ) -> BaseExtents:
+    """What this rank's save is, as a later save's base (:attr:`Increments.known`)."""
+    return BaseExtents(dict(extents), {r.fqn: r.item.tensor_data.properties.dtype
+                                       for r in items if r.item.tensor_data is not None})
+
+
+def _own_name(writer: StoreClient) -> str:
+    return writer.path.partition("?")[0].rstrip("/").rpartition("/")[2]
+
+
+def _read_base(writer: StoreClient, inc: Increments) -> BaseExtents | None:
     if inc.base is None:
         return None
     other = writer.sibling(inc.base)
@@ -177,14 +207,9 @@ def _read_base(writer: StoreClient, inc: Increments) -> Metadata | None:
         md = decode_record(data, f"{other.path}/{RECORD_NAME}")
     finally:
         other._close_store()
-    own = writer.path.partition("?")[0].rstrip("/").rpartition("/")[2]
-    if own in (bases_of(md.storage_data) or ()):
-        # the base references the checkpoint this save replaces: referencing its bytes
-        # in turn would point this record at files the overwrite removes
-        log.warning("%s: base %s references the checkpoint this save replaces; this save is a "
-                    "full one", writer.path, other.path)
-        return None
-    return md
+    return BaseExtents(md.storage_data, {
+        fqn: item.properties.dtype for fqn, item in md.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)})
 
 
 def chunked_file(fp: FilePlan, specs: Mapping[int, ChunkSpec]) -> bool:
