@@ -122,7 +122,7 @@ def _apply(root: str, storage_options: Mapping[str, Any] | None, backend: Backen
     planned = _plan(root, storage_options, keep_last, keep_every, holder=None)
     removed: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
-    for r in planned["remove"]:
+    for r in reversed(planned["remove"]):  # newest first: an incremental one before its base
         try:
             if r["why"] == "retention":
                 backend.uncommit(r["path"])
@@ -137,5 +137,7 @@ def _apply(root: str, storage_options: Mapping[str, Any] | None, backend: Backen
     newest = planned["newest_loadable"]
     if newest is not None and croot.latest_step() != newest:
         croot.write_pointer(newest)  # never at a damaged checkpoint
+    removed.reverse()  # listed oldest first, as planned
+    failed.reverse()
     return {**planned, "dry_run": False, "remove": removed, "failed": failed,
             "freed_bytes": _bytes(removed)}

@@ -67,4 +67,5 @@ def purge_list(to_delete: list[str], kept: list[str], increments: TitanIncrement
         log.warning("dcp_plus: keep_latest_k purges nothing this time: the references of %s "
                     "are unknown", e)
         return []
-    return [p for p in to_delete if os.path.basename(p.rstrip("/")) not in spared]
+    # newest first: a crash half-way never leaves a folder whose base is gone
+    return [p for p in reversed(to_delete) if os.path.basename(p.rstrip("/")) not in spared]

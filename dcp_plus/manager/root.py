@@ -119,8 +119,10 @@ class CheckpointRoot:
     def retain(self, keep_last: int | None, keep_every: int | None,
                uncommitted: Callable[[int], None]) -> None:
         """Delete what retention drops: commit record first (``uncommitted(step)`` is
-        called then), then the folder."""
-        for step in to_remove(self.committed(), keep_last, keep_every, self.references):
+        called then), then the folder; newest first, so that a crash half-way never leaves a
+        committed incremental checkpoint whose base is gone (bases are older saves)."""
+        for step in reversed(to_remove(self.committed(), keep_last, keep_every,
+                                       self.references)):
             path = self.path(step)
             try:
                 self.backend.uncommit(path)

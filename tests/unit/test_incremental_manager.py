@@ -141,3 +141,27 @@ def test_saving_a_step_again_keeps_what_other_checkpoints_reference(tmp_path):
     with CheckpointManager(tmp_path, read_only=True) as m:
         assert m.load_latest(target) == 3
     assert_bit_exact(target, seen[3])
+
+
+def test_retention_cut_short_never_leaves_a_checkpoint_whose_base_is_gone(tmp_path):
+    """Retention removes newest first: a crash between two removals (here, right after the
+    first record goes) leaves the older one, a base, whole (a 30-kill soak found the other
+    order leaving a committed link whose base a restart then cleaned up)."""
+    from dcp_plus.manager.root import CheckpointRoot
+    from dcp_plus.manager.storage import LocalBackend
+
+    _run(tmp_path, range(1, 5), _state(), incremental=True, full_every=2, keep_last=None)
+    assert _record(tmp_path, 2)["bases"] == ["step_00000001"]
+
+    class Crash(Exception):
+        pass
+
+    def crash(step: int) -> None:
+        raise Crash(step)
+
+    with pytest.raises(Crash) as info:
+        CheckpointRoot(LocalBackend(), str(tmp_path)).retain(2, None, crash)
+    assert info.value.args == (2,)  # step 2 went first (its record only), step 1 is intact
+    with CheckpointManager(tmp_path, keep_last=None, takeover=True) as m:  # the restart
+        assert [c.step for c in m.list()] == [1, 3, 4]
+    assert verify(str(tmp_path / "step_00000001")).ok
