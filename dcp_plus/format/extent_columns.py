@@ -21,6 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.format.bulk import extents
 from dcp_plus.format.checksum import BOUND_ALGORITHM
 from dcp_plus.format.codecs import known_codec
 from dcp_plus.format.columns import Columns
@@ -123,9 +124,9 @@ def check_locations(p: FieldParser, root: dict[str, Any], ex: Columns) -> Locati
 def extents_of(locations: Locations) -> Iterator[Extent]:
     """One ``Extent`` per row of checked location columns."""
     files, prefixes, codecs, c = locations
-    return map(Extent, map(files.__getitem__, c["file"]), c["offset"], c["length"],
-               c["raw_length"], map(codecs.__getitem__, c["codec"]), c["checksum"], c["value"],
-               map(prefixes.__getitem__, c["file"]), c["base"], c["parts"])
+    return iter(extents(map(files.__getitem__, c["file"]), c["offset"], c["length"],
+                        c["raw_length"], map(codecs.__getitem__, c["codec"]), c["checksum"],
+                        c["value"], map(prefixes.__getitem__, c["file"]), c["base"], c["parts"]))
 
 
 def _tables(p: FieldParser, root: dict[str, Any]) -> tuple[list[str], list[Any], list[str]]:

@@ -9,6 +9,7 @@ of a key that was never nested (most of them), so the keys are not written twice
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,7 +57,11 @@ def decode_planner_data(p: FieldParser, root: dict[str, Any], fqns: list[str] | 
                                           "and planner_data null")
         if not _key_paths([v for v in paths if v is not None]):
             raise p.fail("planner_paths", "expected a list of key paths or nulls")
-        return {f: (f,) if v is None else tuple(v) for f, v in zip(fqns, paths, strict=True)}
+        out = dict(zip(fqns, zip(fqns), strict=True))  # (fqn,): the path of a top-level key
+        for i in itertools.compress(range(len(paths)), map(operator.is_not, paths,
+                                                           itertools.repeat(None))):
+            out[fqns[i]] = tuple(paths[i])
+        return out
     if planner_data is None:
         return None
     if not isinstance(planner_data, dict) or not _key_paths(list(planner_data.values())):

@@ -222,7 +222,7 @@ def _decode_record(data: bytes, source: str) -> Metadata:
                  for fqn, item in p.get(root, "items", dict, "").items()}
         storage, rows = decode_extents(p, p.get(root, "extents", list, ""), sd_md, version)
         check_extents_match_items(sd_md, storage, rows, p.fail)
-    check_no_aliasing(storage, p.fail)
+        check_no_aliasing(storage, p.fail)
     check_prefixes(storage, rows, version >= PREFIXED_VERSION, p.fail)
     check_references(storage, rows, bases, p.fail)
     planner_data = decode_planner_data(p, root, list(sd_md) if columnar else None)

@@ -39,8 +39,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.format.bulk import metadata_indexes
 from dcp_plus.format.checksum import BOUND_ALGORITHM
-from dcp_plus.format.column_checks import check_extent_columns
+from dcp_plus.format.column_checks import check_extent_columns, in_order_and_apart, nones
 from dcp_plus.format.columns import Columns
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.extent_columns import (
@@ -51,7 +52,12 @@ from dcp_plus.format.extent_columns import (
     extents_of,
 )
 from dcp_plus.format.extent_set import ExtentSet
-from dcp_plus.format.record_checks import INT64_MAX, STORED_DTYPES, check_tiling
+from dcp_plus.format.record_checks import (
+    INT64_MAX,
+    STORED_DTYPES,
+    check_no_aliasing,
+    check_tiling,
+)
 from dcp_plus.format.record_fields import FieldParser
 
 _CHECKSUMS = re.compile(rf"(?:{BOUND_ALGORITHM}:[0-9a-f]{{16}})*")
@@ -154,9 +160,9 @@ def _chunk_at(md: TensorStorageMetadata, offset: tuple[int, ...] | None
 # ------------------------------------------------------------------------------------ decode
 
 def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
-    """``(items, extents, rows)`` of a version-4 record, every field checked and its extents
-    matched to its items; the other rules of :mod:`~dcp_plus.format.record_checks` are the
-    caller's."""
+    """``(items, extents, rows)`` of a version-4 record, every field checked, its extents
+    matched to its items and none sharing a byte with another; the other rules of
+    :mod:`~dcp_plus.format.record_checks` are the caller's."""
     it = Columns(p, p.get(root, "items", dict, ""), "items", _ITEM_COLUMNS)
     fqns = it.texts("fqn")
     if len(set(fqns)) != len(fqns):
@@ -169,32 +175,32 @@ def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
             raise p.fail(f"dtypes[{i}]", f"unknown dtype {str(d)[:80]!r} (dcp_plus stores "
                                          f"{', '.join(STORED_DTYPES)})")
     dtypes = it.column("dtype")
-    tensor = [d is not None for d in dtypes]
-    codes = [d for d in dtypes if d is not None]
+    tensor = list(map(operator.is_not, dtypes, itertools.repeat(None)))
+    codes = list(itertools.compress(dtypes, tensor))
     if codes and not (set(map(type, codes)) == {int} and min(codes) >= 0
                       and max(codes) < len(names)):
         raise it.bad("dtype", dtypes, lambda d: d is None or (
             type(d) is int and 0 <= d < len(names)), f"null or an index into the {len(names)} "
                                                       "dtypes")
     grads = it.column("requires_grad")
-    if list(map(type, grads)) != [bool if t else type(None) for t in tensor]:
+    tensor_grads = list(itertools.compress(grads, tensor))
+    if not set(map(type, tensor_grads)) <= {bool} or \
+            nones(grads) != len(grads) - len(tensor_grads):
         raise it.bad("requires_grad", grads, lambda g: type(g) in (bool, type(None)),
                      "a bool for a tensor, null for a value")
     sizes = it.shapes("size")
-    if [s is not None for s in sizes] != tensor:
+    if list(map(operator.is_not, sizes, itertools.repeat(None))) != tensor:
         i = next(i for i, (s, t) in enumerate(zip(sizes, tensor, strict=True))
                  if (s is not None) != t)
         raise p.fail(f"items.size[{i}]", "expected a list for a tensor, null for a value")
-    shared = {(d, g): TensorProperties(dtype=STORED_DTYPES[names[d]], requires_grad=g)
-              for d, g in set(zip(codes, (g for g in grads if g is not None), strict=True))}
-    props = [None if d is None else shared[d, g] for d, g in zip(dtypes, grads, strict=True)]
-    lists = [s for s in sizes if s is not None]
-    if lists and max(map(operator.mul, map(math.prod, lists),
-                         (pr.dtype.itemsize for pr in props if pr is not None))) > INT64_MAX:
-        i = next(i for i, (s, pr) in enumerate(zip(sizes, props, strict=True))
-                 if pr is not None and math.prod(s) * pr.dtype.itemsize > INT64_MAX)
-        raise p.fail(f"items.size[{i}]", f"a tensor of {sizes[i]} {names[dtypes[i]]} is larger "
-                                         "than 2^63 bytes")
+    shared: dict[Any, TensorProperties | None] = {
+        (d, g): TensorProperties(dtype=STORED_DTYPES[names[d]], requires_grad=g)
+        for d, g in set(zip(codes, tensor_grads, strict=True))}
+    props = list(map(shared.get, zip(dtypes, grads, strict=True)))  # None: a value
+    lists = list(itertools.compress(sizes, tensor))
+    if lists and max(map(math.prod, lists)) * max(
+            pr.dtype.itemsize for pr in shared.values() if pr is not None) > INT64_MAX:
+        _check_bytes(p, sizes, props, names, dtypes)
     ex = Columns(p, p.get(root, "extents", dict, ""), "extents", _EXTENT_COLUMNS)
     item = ex.ints("item", below=len(fqns))
     row_tensor = list(map(tensor.__getitem__, item))
@@ -207,11 +213,11 @@ def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
     _check_chunks_fit(p, item, offsets, chunk_sizes, sizes, explicit)
     locations = check_locations(p, root, ex)
     extents = list(extents_of(locations))
-    shapes = [None if s is None else torch.Size(s) for s in sizes]
-    chunks = _chunks(item, offsets, chunk_sizes, sizes, shapes, not explicit)
+    shapes, distinct = _interned(sizes)
+    chunks = _chunks(item, offsets, chunk_sizes, sizes, shapes, distinct, not explicit)
     sd_md = _items(p, fqns, props, shapes, item, chunks)
-    indexes = list(map(MetadataIndex, map(fqns.__getitem__, item),
-                       [None if c is None else c.offsets for c in chunks]))
+    indexes = metadata_indexes(list(map(fqns.__getitem__, item)),
+                               [None if c is None else c.offsets for c in chunks])
     storage = dict(zip(indexes, extents, strict=True))
     if len(storage) != len(indexes):
         first: dict[MetadataIndex, int] = {}
@@ -220,7 +226,18 @@ def decode_columns(p: FieldParser, root: dict[str, Any]) -> Decoded:
                                       f"extents[{first[indexes[r]]}]")
     rows = _Rows(indexes)
     check_extent_columns(item, chunks, props, locations, sd_md, storage, rows, p.fail)
+    if not in_order_and_apart(locations):
+        check_no_aliasing(storage, p.fail)
     return sd_md, storage, rows
+
+
+def _check_bytes(p: FieldParser, sizes: list[Any], props: list[TensorProperties | None],
+                 names: list[str], dtypes: list[Any]) -> None:
+    """No tensor larger than 2^63 bytes."""
+    for i, (s, pr) in enumerate(zip(sizes, props, strict=True)):
+        if pr is not None and math.prod(s) * pr.dtype.itemsize > INT64_MAX:
+            raise p.fail(f"items.size[{i}]", f"a tensor of {s} {names[dtypes[i]]} is larger "
+                                             "than 2^63 bytes")
 
 
 class _Rows(Mapping[MetadataIndex, int]):
@@ -245,22 +262,31 @@ class _Rows(Mapping[MetadataIndex, int]):
         return len(self._indexes)
 
 
+def _interned(sizes: list[Any]) -> tuple[list[torch.Size | None], list[torch.Size]]:
+    """Each size as a ``torch.Size`` (None for a value's), one object per distinct shape (a
+    model's layers repeat theirs), and those shapes."""
+    keys = [None if s is None else tuple(s) for s in sizes]
+    table = {k: torch.Size(k) for k in set(keys) if k is not None}
+    return list(map(table.get, keys)), list(table.values())  # type: ignore[arg-type]
+
+
 def _chunks(item: list[int], offsets: list[Any], sizes: list[Any], shape: list[Any],
-            shapes: list[torch.Size | None], all_whole: bool
+            shapes: list[torch.Size | None], distinct: list[torch.Size], all_whole: bool
             ) -> list[ChunkStorageMetadata | None]:
-    """Each row's chunk (None for a value's); a whole tensor's chunk shares its tensor's
-    ``torch.Size``, and all-zero offsets of a rank share one."""
-    zeros = {n: torch.Size([0] * n) for n in {len(s) for s in shape if s is not None}}
+    """Each row's chunk (None for a value's). A whole tensor's chunk is shared by every
+    tensor of its shape (nothing changes a decoded record's chunks); all-zero offsets of
+    a rank share one ``torch.Size``."""
+    zeros = {n: torch.Size([0] * n) for n in {len(t) for t in distinct}}
+    whole = {t: ChunkStorageMetadata(zeros[len(t)], t) for t in distinct}
     if all_whole:
-        return [None if t is None else ChunkStorageMetadata(zeros[len(t)], t)
-                for t in map(shapes.__getitem__, item)]
+        return list(map(whole.get, map(shapes.__getitem__, item)))  # type: ignore[arg-type]
     out: list[ChunkStorageMetadata | None] = []
     for i, o, s in zip(item, offsets, sizes, strict=True):
         t = shapes[i]
         if t is None:
             out.append(None)
         elif o is None or (s == shape[i] and not any(o)):
-            out.append(ChunkStorageMetadata(zeros[len(t)], t))
+            out.append(whole[t])
         else:
             out.append(ChunkStorageMetadata(torch.Size(o), torch.Size(s)))
     return out

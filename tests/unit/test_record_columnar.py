@@ -172,6 +172,44 @@ def test_aliased_rows_are_refused_by_the_shared_rules(rich):
         decode_record(seal_record(rec), "/c/.metadata")
 
 
+def test_rows_in_file_order_overlapping_by_one_byte_are_refused(rich):
+    """The writer records extents in file order, which the decoder checks in a few C-level
+    passes; an overlap there is handed to the shared rule, which names both items."""
+    rec = copy.deepcopy(rich[2])
+    cols = rec["extents"]
+    rows = [r for r in range(_rows(rec)) if cols["length"][r]]
+    assert rows == sorted(rows, key=lambda r: (cols["file"][r], cols["offset"][r]))
+    a, b = next((a, b) for a, b in zip(rows, rows[1:], strict=False)
+                if cols["file"][a] == cols["file"][b])
+    cols["offset"][b] = cols["offset"][a] + cols["length"][a] - 1  # still in order
+    with pytest.raises(CheckpointFormatError, match="are also those of"):
+        decode_record(seal_record(rec), "/c/.metadata")
+
+
+@pytest.mark.parametrize("case, decided", [
+    ("in order", True), ("touching", True), ("empty extent inside another", True),
+    ("two files", True), ("overlap", False), ("out of order", False), ("a reference", False)])
+def test_in_order_and_apart_decides_only_what_its_passes_can(case, decided):
+    from dcp_plus.format.column_checks import in_order_and_apart
+
+    file, offset, length = [0, 0, 0, 1], [0, 4096, 8192, 0], [4096, 4096, 10, 4096]
+    base: list[Any] = [None] * 4
+    if case == "touching":
+        length[1] = 4096
+    elif case == "empty extent inside another":
+        file.insert(1, 0), offset.insert(1, 100), length.insert(1, 0), base.append(None)
+    elif case == "two files":
+        offset[3] = 0
+    elif case == "overlap":
+        length[1] = 4097
+    elif case == "out of order":
+        offset[0], offset[1] = offset[1], offset[0]
+    elif case == "a reference":
+        base[2] = "step_1"
+    cols = {"file": file, "offset": offset, "length": length, "base": base}
+    assert in_order_and_apart(([], [], [], cols)) is decided
+
+
 def test_small_records_keep_the_row_form(tmp_path: Path):
     path = tmp_path / "ckpt"
     save_rich(path)
