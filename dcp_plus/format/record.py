@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 from dcp_plus._gc import gc_paused
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
 from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.format.columns_encode import encode_columns
 from dcp_plus.format.extent import Extent, extent_identity
 from dcp_plus.format.extent_columns import decode_extent_table, encode_extent_table
 from dcp_plus.format.extent_set import bases_of
@@ -48,7 +49,7 @@ from dcp_plus.format.record_checks import (
     check_prefixes,
     check_references,
 )
-from dcp_plus.format.record_columns import decode_columns, encode_columns
+from dcp_plus.format.record_columns import decode_columns
 from dcp_plus.format.record_fields import (
     FieldParser,
     decode_dcp_version,
@@ -56,6 +57,7 @@ from dcp_plus.format.record_fields import (
     decode_item,
     decode_storage_meta,
 )
+from dcp_plus.format.record_memo import encode_columnar, record_memo
 from dcp_plus.format.strict_json import loads_strict
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MAX_RECORD_BYTES", "RECORD_NAME", "Extent",
@@ -103,6 +105,7 @@ def _encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) 
     columnar = len(metadata.state_dict_metadata) >= COLUMNAR_MIN_ITEMS
     sm = metadata.storage_meta
     bases = bases_of(extents)
+    memo = record_memo(metadata) if columnar else None
     record: dict[str, Any] = {
         "format": FORMAT_NAME,
         "version": INCREMENTAL_VERSION if bases is not None else COLUMNAR_VERSION if columnar
@@ -112,11 +115,14 @@ def _encode_record(metadata: Metadata, extents: Mapping[MetadataIndex, Extent]) 
         if sm is None
         else {"checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
               "save_id": sm.save_id, "modules": list(sm.modules)},
-        "planner_data": encode_planner_data(metadata.planner_data),
+        "planner_data": None if memo is not None  # the memo's
+        else encode_planner_data(metadata.planner_data),
     }
     if bases is not None:
         record["layout"] = "columns" if columnar else "rows"
         record["bases"] = bases
+    if memo is not None:
+        return seal(encode_columnar(record, metadata, extents, dtype_name, memo))
     if columnar:
         record.update(encode_columns(metadata, extents, dtype_name))
         paths = planner_paths(metadata.planner_data, record["items"]["fqn"])

@@ -25,33 +25,29 @@ import itertools
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
-    Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
 
-from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.format.bulk import metadata_indexes
 from dcp_plus.format.checksum import BOUND_ALGORITHM
 from dcp_plus.format.column_checks import check_extent_columns, in_order_and_apart, nones
 from dcp_plus.format.columns import Columns
+from dcp_plus.format.columns_encode import CHUNK_COLUMNS
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.extent_columns import (
     LOCATION_COLUMNS,
     check_locations,
-    chunk_key,
-    encode_locations,
     extents_of,
 )
-from dcp_plus.format.extent_set import ExtentSet
 from dcp_plus.format.record_checks import (
     INT64_MAX,
     STORED_DTYPES,
@@ -62,99 +58,10 @@ from dcp_plus.format.record_fields import FieldParser
 
 _CHECKSUMS = re.compile(rf"(?:{BOUND_ALGORITHM}:[0-9a-f]{{16}})*")
 _ITEM_COLUMNS = ("fqn", "dtype", "requires_grad", "size")
-_CHUNK_COLUMNS = ("item", "offsets", "sizes")
-_EXTENT_COLUMNS = _CHUNK_COLUMNS + LOCATION_COLUMNS
+_EXTENT_COLUMNS = CHUNK_COLUMNS + LOCATION_COLUMNS
 
 Decoded = tuple[dict[str, TensorStorageMetadata | BytesStorageMetadata],
                 dict[MetadataIndex, Extent], Mapping[MetadataIndex, int]]
-
-
-# ------------------------------------------------------------------------------------ encode
-
-def encode_columns(metadata: Metadata, extents: Mapping[MetadataIndex, Extent],
-                   dtype_name: Callable[[torch.dtype], str]) -> dict[str, Any]:
-    """The ``items``, ``files``, ``prefixes``, ``codecs`` and ``extents`` fields of a
-    version-4 record.
-
-    Raises:
-        CheckpointFormatError: an extent of no item or chunk, or a chunk without an extent
-            (the columnar form stores each chunk with its extent).
-    """
-    sd_md = metadata.state_dict_metadata
-    position = {fqn: i for i, fqn in enumerate(sd_md)}
-    tensors = [md if isinstance(md, TensorStorageMetadata) else None for md in sd_md.values()]
-    dtypes: dict[str, int] = {}
-    dtype_at: dict[torch.dtype, int] = {}  # a dtype's name looked up once, not per item
-
-    def dtype_index(dtype: torch.dtype) -> int:
-        at = dtype_at.get(dtype)
-        if at is None:
-            at = dtype_at[dtype] = dtypes.setdefault(dtype_name(dtype), len(dtypes))
-        return at
-
-    items = {
-        "fqn": list(sd_md),
-        "dtype": [None if md is None else dtype_index(md.properties.dtype) for md in tensors],
-        "requires_grad": [None if md is None else bool(md.properties.requires_grad)
-                          for md in tensors],
-        "size": [None if md is None else list(md.size) for md in tensors],
-    }
-    if isinstance(extents, ExtentSet):  # columns in, columns out: no object per extent
-        keys: Iterable[tuple[str, Any]] = zip(extents.fqn, map(chunk_key, extents.chunk),
-                                          strict=True)
-        tables, locations = extents.locations()
-    else:
-        keys = ((i.fqn, i.offset) for i in extents)
-        tables, locations = encode_locations(extents.values())
-    # dims of each tensor stored as one chunk at offset 0 (its extents' columns are null)
-    whole = [-1 if md is None or len(md.chunks) != 1 or any(md.chunks[0].offsets)
-             or md.chunks[0].sizes != md.size else len(md.size) for md in tensors]
-    table: dict[str, list[Any]] = {k: [] for k in _CHUNK_COLUMNS}
-    item, offsets, sizes = (x.append for x in table.values())
-    for fqn, offset in keys:
-        i = position.get(fqn)
-        if i is not None and offset is not None and whole[i] == len(offset) and not any(offset):
-            item(i)
-            offsets(None)
-            sizes(None)
-            continue
-        row = _chunk_columns(fqn, offset, position, tensors)
-        item(row[0])
-        offsets(row[1])
-        sizes(row[2])
-    stored = sum(len(md.chunks) for md in tensors if md is not None) + tensors.count(None)
-    if stored != len(table["item"]):
-        raise CheckpointFormatError(f"{len(table['item'])} extents for {stored} stored chunks "
-                                    "and values: every chunk and value has exactly one extent")
-    return {"dtypes": list(dtypes), "items": items, **tables,
-            "extents": {**table, **locations}}
-
-
-def _chunk_columns(fqn: str, offset: tuple[int, ...] | None, position: Mapping[str, int],
-                   tensors: list[TensorStorageMetadata | None]) -> tuple[Any, ...]:
-    """``(item, offsets, sizes)`` of the extent of item ``fqn`` at chunk ``offset``."""
-    item = position.get(fqn)
-    if item is None:
-        raise CheckpointFormatError(f"an extent for {fqn!r}, which is no item")
-    md = tensors[item]
-    offsets = sizes = None
-    if md is not None:
-        chunk = _chunk_at(md, offset)
-        if chunk is None:
-            raise CheckpointFormatError(f"an extent for tensor {fqn!r} at "
-                                        f"{offset}, where it has no chunk")
-        if chunk.sizes != md.size or any(chunk.offsets):  # else null: the whole tensor
-            offsets, sizes = list(chunk.offsets), list(chunk.sizes)
-    return item, offsets, sizes
-
-
-def _chunk_at(md: TensorStorageMetadata, offset: tuple[int, ...] | None
-              ) -> ChunkStorageMetadata | None:
-    if offset is None:
-        return None
-    if md.chunks and md.chunks[0].offsets == offset:
-        return md.chunks[0]
-    return next((c for c in md.chunks if c.offsets == offset), None)
 
 
 # ------------------------------------------------------------------------------------ decode

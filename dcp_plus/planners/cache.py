@@ -29,6 +29,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan
 
+from dcp_plus.format.record_memo import MEMO_ATTRIBUTE, RecordMemo
 from dcp_plus.planners import cache_registry
 from dcp_plus.planners._flatten import Flat, Template
 from dcp_plus.planners.cache_registry import active_cache, lookup, set_active
@@ -166,16 +167,20 @@ class CachedMetadata(Metadata):
 
     @classmethod
     def for_save(
-        cls, md: Metadata, global_key: bytes, token_once: bool = False
+        cls, md: Metadata, global_key: bytes, token_once: bool = False,
+        memo: RecordMemo | None = None,
     ) -> CachedMetadata:
         """A fresh per-save copy of the cached structure ``md`` (writers mutate it); its first
-        pickle is the broadcast token if ``token_once``."""
+        pickle is the broadcast token if ``token_once``; ``memo``: the structure's
+        :class:`~dcp_plus.format.record_memo.RecordMemo` (never pickled)."""
         out = cls(
             state_dict_metadata=dict(md.state_dict_metadata),
             planner_data=md.planner_data,
         )
         out._global_key = global_key
         out._token_once = token_once
+        if memo is not None:
+            setattr(out, MEMO_ATTRIBUTE, memo)
         return out
 
     def plain(self) -> Metadata:
@@ -242,6 +247,8 @@ class GlobalEntry:
 
     local_keys: tuple[bytes, ...]
     metadata: Metadata
+    record_memo: RecordMemo = field(default_factory=RecordMemo)
+    """What a dcp_plus writer's commit record of this structure can reuse at the next save."""
 
 
 @dataclass

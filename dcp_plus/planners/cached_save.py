@@ -11,17 +11,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     STATE_DICT_TYPE,
     Metadata,
-    MetadataIndex,
     StorageMeta,
 )
 from torch.distributed.checkpoint.planner import SavePlan
-from torch.distributed.tensor import DTensor
 
-from dcp_plus._compat.torch_dcp import flatten_state_dict, local_tensor
+from dcp_plus._compat.torch_dcp import flatten_state_dict
 from dcp_plus.errors import PlanCacheError
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.planners._fingerprint import (
@@ -48,6 +45,7 @@ from dcp_plus.planners.cache import (
     set_active,
     structure_metadata,
 )
+from dcp_plus.planners.direct_lookup import DirectLookupPlanner
 from dcp_plus.planners.write_set import WriteSetRecorder, records_write_set
 
 log = logging.getLogger(__name__)
@@ -57,7 +55,7 @@ _TRANSIENT = ("state_dict", "plan", "global_plan", "_metadata_ref", "_cache", "_
               "_structure_key", "_write_set")
 
 
-class CachedSavePlanner(DefaultSavePlanner):
+class CachedSavePlanner(DirectLookupPlanner):
     """A ``DefaultSavePlanner`` that plans once per state-dict structure and then reuses it.
 
     Same deduplication and resharding semantics as DCP's ``DefaultSavePlanner`` (it calls its
@@ -297,7 +295,8 @@ class CachedSavePlanner(DefaultSavePlanner):
                 CachePlan([], storage_data=p.storage_data, key=global_key, kind=HIT)
                 for p in plans
             ]
-            md = CachedMetadata.for_save(entry.metadata, global_key, token_once)
+            md = CachedMetadata.for_save(entry.metadata, global_key, token_once,
+                                         entry.record_memo)
             self.global_plan, self.metadata = replies, md
             return replies, md
 
@@ -333,7 +332,8 @@ class CachedSavePlanner(DefaultSavePlanner):
             )
             for g, p in zip(global_plan, plans, strict=True)
         ]
-        md = CachedMetadata.for_save(struct, global_key, token_once)
+        md = CachedMetadata.for_save(struct, global_key, token_once,
+                                     pending.global_entry.record_memo)
         # DCP's plans, not the replies: those hold the metadata's pickle (MBs) once sent.
         self.global_plan, self.metadata = global_plan, md
         return replies, md
@@ -383,17 +383,3 @@ class CachedSavePlanner(DefaultSavePlanner):
         cache.commit()
         self.plan = plan
         return plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        """DCP's lookup minus per-item costs on the writer's critical path: a plain tensor
-        without DCP's shard-type probes (~3 us), a plain DTensor needing no grad as its local
-        tensor (``to_local()`` is an autograd call, ~4 us). Anything else takes DCP's path."""
-        obj = self.state_dict.get(index.fqn)
-        if type(obj) is torch.Tensor and (index.offset is None or (
-                len(index.offset) == obj.dim() and not any(index.offset))):
-            return obj
-        if type(obj) is DTensor and not obj.requires_grad:
-            local = local_tensor(obj)
-            if type(local) is torch.Tensor and not any(p.is_partial() for p in obj.placements):
-                return local
-        return super().lookup_object(index)

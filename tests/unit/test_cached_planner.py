@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import gc
+import json
 import pickle
 import warnings
 from collections import OrderedDict
@@ -530,3 +531,39 @@ def test_a_local_plan_travels_as_its_own_pickle_and_only_an_unpickled_one_keeps_
     assert local.received_pickle() is None
     # (the 2-rank test in tests/dist/test_cached_planner.py checks that the coordinator
     # stores the bytes DCP's real gather received and pickles nothing in commit())
+
+
+def test_hits_hand_the_writer_their_structures_record_memo(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """Every save of one cache entry carries the same memo, so the columnar record reuses
+    its structure's encoding; the records stay what a planner without a memo writes."""
+    import dcp_plus.format.record as record_module
+    from dcp_plus import LocalReader, LocalWriter, SafeLoadPlanner
+    from dcp_plus.format.record_memo import record_memo
+
+    monkeypatch.setattr(record_module, "COLUMNAR_MIN_ITEMS", 1)
+    planner, memos = CachedSavePlanner(), []
+    for step in range(3):
+        sd = _sd()
+        sd["model"]["w1"].add_(step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            md = dcp.save(sd, storage_writer=LocalWriter(tmp_path / f"s{step}"),
+                          planner=planner, no_dist=True)
+            dcp.save(sd, storage_writer=LocalWriter(tmp_path / f"plain{step}"), no_dist=True)
+        memos.append(record_memo(md))
+        got = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(got, storage_reader=LocalReader(tmp_path / f"s{step}"),
+                     planner=SafeLoadPlanner(), no_dist=True)
+        assert got["step"] == 3 and all(torch.equal(got["model"][k], v)
+                                        for k, v in sd["model"].items())
+        ours, plain = (json.loads((tmp_path / f"{n}{step}" / ".metadata").read_bytes())
+                       for n in ("s", "plain"))
+        for r in (ours, plain):
+            del r["storage_meta"], r["record_checksum"]
+            r["files"] = [f.split(".")[0] for f in r["files"]]  # save ids differ
+        assert ours == plain
+    assert memos[0] is not None and memos[0] is memos[1] is memos[2]
+    assert not isinstance(pickle.loads(pickle.dumps(md)), CachedMetadata)

@@ -290,3 +290,50 @@ def test_an_extent_tables_zero_offsets_are_a_count_and_a_bad_count_is_refused(ri
         rec["extents"]["chunk"][zero[0]] = bad
         with pytest.raises(CheckpointFormatError, match=f"'extents.chunk\\[{zero[0]}\\]'"):
             decode_extent_table(json.dumps(rec).encode(), "/c/__1.x.extents")
+
+
+def _with_memo(md: Any, memo: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from dcp_plus.format.record_memo import MEMO_ATTRIBUTE
+
+    out = Metadata(state_dict_metadata=md.state_dict_metadata, planner_data=md.planner_data,
+                   storage_meta=md.storage_meta, version=md.version)
+    setattr(out, MEMO_ATTRIBUTE, memo)
+    return out
+
+
+def test_a_memoized_record_has_the_bytes_of_a_fresh_one_save_after_save(rich, monkeypatch):
+    """The structure's part and the chunk columns come from the memo at the second save,
+    the chunk columns are encoded again when the extents come in another order, and every
+    record is byte for byte the one encoded without a memo."""
+    from dcp_plus.format.extent_set import ExtentSet
+    from dcp_plus.format.record_memo import RecordMemo
+
+    monkeypatch.setattr(record_module, "COLUMNAR_MIN_ITEMS", 1)
+    md = decode_record(seal_record(rich[2]), "c")
+    assert md.planner_data  # nested keys: the planner paths are memoized too
+    a, b = _two_rank_tables(md.storage_data)
+    memo = RecordMemo()
+    for tables in ([a, b], [a, b], [b, a]):
+        columns = ExtentSet()
+        for i, t in enumerate(tables):
+            columns.add_table(t, str(i))
+        before = memo.chunks
+        assert encode_record(_with_memo(md, memo), columns) == encode_record(md, columns)
+        assert memo.structure is not None and memo.chunks is not None
+        assert (memo.chunks is before) == (tables == [a, b] and before is not None)
+    assert encode_record(_with_memo(md, memo), md.storage_data) == encode_record(
+        md, md.storage_data)  # the rows of a one-rank save, in the order of the columns
+
+
+def test_a_memo_never_hides_a_chunk_without_its_extent(rich, monkeypatch):
+    from dcp_plus.format.record_memo import RecordMemo
+
+    monkeypatch.setattr(record_module, "COLUMNAR_MIN_ITEMS", 1)
+    md = decode_record(seal_record(rich[2]), "c")
+    memo = RecordMemo()
+    encode_record(_with_memo(md, memo), md.storage_data)
+    fewer = dict(list(md.storage_data.items())[1:])
+    with pytest.raises(CheckpointFormatError, match="every chunk and value has exactly one"):
+        encode_record(_with_memo(md, memo), fewer)
