@@ -37,5 +37,5 @@ def bind_checksum(content: str, identity: str) -> str:
     :func:`checksum_bytes` string) hashed together with ``identity`` (what the extent holds:
     tensor, chunk, dtype, lengths, codec), so an entry moved onto another extent's bytes, or
     given another dtype, no longer matches."""
-    key = identity.encode("utf-8") + b"\x00" + content.encode("ascii")
+    key = f"{identity}\x00{content}".encode()  # content is ASCII: its bytes follow the NUL
     return f"{BOUND_ALGORITHM}:{xxhash.xxh3_64_hexdigest(key)}"

@@ -43,28 +43,35 @@ def build_extents(files: Sequence[FilePlan], raw_lengths: dict[int, int],
     """The extents of the items placed in ``files`` (under key ``prefix``); raw lengths,
     codecs and content ``sums`` by ``id(item)``; checksums bound to each extent's identity
     (version 2)."""
+    placed = [(fp.name, r, off) for fp in files for r, off in fp.placed]
+    _check_keys([r.item.index.fqn for _, r, _ in placed])
+    names: dict[torch.dtype, str] = {}
     out = []
-    dtype_names: dict[torch.dtype, str] = {}
-    for fp in files:
-        name = fp.name
-        for r, off in fp.placed:
-            index = r.item.index
-            fqn = index.fqn
-            problem = check_text(fqn)
-            if problem is not None:
-                raise CheckpointFormatError(f"state dict key {fqn!r} {problem}; "
-                                            "dcp_plus records keys as UTF-8 text")
-            td = r.item.tensor_data
-            dname = None
-            if td is not None:
-                dtype = td.properties.dtype
-                dname = dtype_names.get(dtype) or dtype_names.setdefault(dtype, dtype_name(dtype))
-            key = id(r)
-            raw_length, length, codec = raw_lengths[key], len(r.data), codecs[key]
-            identity = identity_of(fqn, index.offset, dname, raw_length, length, codec, r.value)
-            out.append((index, Extent(name, off, length, raw_length, codec,
-                                      bind_checksum(sums[key], identity), r.value, prefix)))
+    for name, r, off in placed:
+        index = r.item.index
+        td = r.item.tensor_data
+        dname = None
+        if td is not None:
+            dtype = td.properties.dtype
+            dname = names.get(dtype) or names.setdefault(dtype, dtype_name(dtype))
+        key = id(r)
+        raw_length, length, codec = raw_lengths[key], len(r.data), codecs[key]
+        identity = identity_of(index.fqn, index.offset, dname, raw_length, length, codec,
+                               r.value)
+        out.append((index, Extent(name, off, length, raw_length, codec,
+                                  bind_checksum(sums[key], identity), r.value, prefix)))
     return out
+
+
+def _check_keys(fqns: list[str]) -> None:
+    """Every key storable as UTF-8 text (checked at once, then named one by one)."""
+    if check_text("\x01".join(fqns)) is None:
+        return
+    for fqn in fqns:
+        problem = check_text(fqn)
+        if problem is not None:
+            raise CheckpointFormatError(f"state dict key {fqn!r} {problem}; "
+                                        "dcp_plus records keys as UTF-8 text")
 
 
 def write_results(rank: int, world: int, save_id: str,

@@ -197,3 +197,15 @@ def test_tensor_without_an_extent_is_reported_at_load(tmp_path):
     msg = load_fails(load_target(sd), tmp_path / "ckpt")
 
     assert ".metadata" in msg and "'v'" in msg and "no extent" in msg
+
+
+@pytest.mark.parametrize("key, problem", [("w\x00x", "NUL"), ("w\ud800", "surrogate")])
+@pytest.mark.parametrize("items", [2, 1200])  # the row form, and the columnar one
+def test_a_key_that_is_not_storable_text_is_refused_naming_it(tmp_path, key, problem, items):
+    from tests.conftest import save
+
+    state = {f"ok.{i}": torch.ones(2) for i in range(items - 1)} | {key: torch.ones(2)}
+    with pytest.raises(BaseException, match=problem) as info:  # DCP's CheckpointException
+        save(state, tmp_path / "c")
+    assert repr(key) in str(info.value) and "UTF-8" in str(info.value)
+    assert not (tmp_path / "c" / ".metadata").exists()
