@@ -147,6 +147,9 @@ def _check_bytes(p: FieldParser, sizes: list[Any], props: list[TensorProperties 
                                              "than 2^63 bytes")
 
 
+_SIZES = operator.attrgetter("sizes")
+
+
 class _Rows(Mapping[MetadataIndex, int]):
     """Each extent's row, for error messages only: built when first asked."""
 
@@ -224,13 +227,20 @@ def _items(p: FieldParser, fqns: list[str], props: list[TensorProperties | None]
            ) -> dict[str, TensorStorageMetadata | BytesStorageMetadata]:
     """The items, each tensor with its rows' chunks (in row order), each checked to tile it."""
     if len(item) == len(fqns) == len(set(item)):  # one row per item: no grouping
-        mine: list[Any] = [None] * len(fqns)
-        for i, c in zip(item, chunks, strict=True):
-            mine[i] = c
-        odd = [i for i, (c, t) in enumerate(zip(mine, shapes, strict=True))
-               if c is None or c.sizes is not t]
+        mine: list[Any] = chunks
+        if item != list(range(len(item))):  # rows in another order than their items
+            mine = [None] * len(fqns)
+            for i, c in zip(item, chunks, strict=True):
+                mine[i] = c
+        if nones(mine):
+            odd = [i for i, (c, t) in enumerate(zip(mine, shapes, strict=True))
+                   if c is None or c.sizes is not t]
+        else:  # whole chunks share their tensor's Size (see _chunks)
+            odd = list(itertools.compress(range(len(mine)), map(
+                operator.is_not, map(_SIZES, mine), shapes)))
         out: dict[str, TensorStorageMetadata | BytesStorageMetadata] = dict(zip(
-            fqns, map(TensorStorageMetadata, props, shapes, [[c] for c in mine]),  # type: ignore[arg-type]
+            fqns, map(TensorStorageMetadata, props, shapes,  # type: ignore[arg-type]
+                      map(list, zip(mine, strict=True))),
             strict=True))
         for i in odd:
             out[fqns[i]] = _item(p, fqns[i], props[i], shapes[i], [mine[i]])
