@@ -10,8 +10,8 @@ its breakdown misstates their share; these are wall-clock medians of saves 2..N 
 section on the coordinator (rank 0), which also does the commit. Sections nest: ``finish``
 holds ``collect_extents`` and ``encode_record``; ``write_results`` encodes and puts the
 rank's extent table. Each rank saves its own ``--tensors`` tensors of 8 floats (as FSDP
-shards are), one planner instance per row reused for every save, ``gc.collect()`` and a
-barrier before each save (untimed).
+shards are), one planner instance per row reused for every save, the rows interleaved save by
+save, ``gc.collect()`` and a barrier before each save (untimed).
 """
 
 from __future__ import annotations
@@ -38,14 +38,15 @@ SECTIONS = [("resolve_items", False), ("plan_files", False), ("_write_files", Tr
 """Functions of ``dcp_plus.writers.base`` timed (True: a ``CommittingWriter`` method)."""
 
 
-def _timed(fn: Callable[..., Any], name: str, acc: dict[str, list[float]]) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], name: str, acc: dict[str, dict[str, list[float]]],
+           row: list[str]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*a: Any, **kw: Any) -> Any:
         t = time.perf_counter()
         try:
             return fn(*a, **kw)
         finally:
-            acc.setdefault(name, []).append(time.perf_counter() - t)
+            acc[row[0]].setdefault(name, []).append(time.perf_counter() - t)
     return wrapper
 
 
@@ -53,30 +54,31 @@ def _rank(rank: int, world: int, root: str, tensors: int, saves: int) -> dict[st
     import dcp_plus.writers.base as base
     from dcp_plus import CachedSavePlanner, LocalWriter
 
-    acc: dict[str, list[float]] = {}
-    for name, method in SECTIONS:
-        owner: Any = base.CommittingWriter if method else base
-        setattr(owner, name, _timed(getattr(owner, name), name, acc))
-    sd = {"model": {f"r{rank}.layers.{i // 8}.w{i % 8}": torch.full((8,), float(i))
-                    for i in range(tensors)}}
-    out: dict[str, Any] = {}
     rows = {"CachedSavePlanner": CachedSavePlanner(),
             "DefaultSavePlanner(enable_plan_caching=True)": type(
                 "SectionsDcpCached", (DefaultSavePlanner,), {})(enable_plan_caching=True)}
-    for label, planner in rows.items():
-        totals = []
-        for s in range(saves):
+    acc: dict[str, dict[str, list[float]]] = {label: {} for label in rows}
+    row = [""]
+    for name, method in SECTIONS:
+        owner: Any = base.CommittingWriter if method else base
+        setattr(owner, name, _timed(getattr(owner, name), name, acc, row))
+    sd = {"model": {f"r{rank}.layers.{i // 8}.w{i % 8}": torch.full((8,), float(i))
+                    for i in range(tensors)}}
+    totals: dict[str, list[float]] = {label: [] for label in rows}
+    for s in range(saves):  # interleaved, so that load drift hits both rows alike
+        for label, planner in rows.items():
+            row[0] = label
             gc.collect()
             dist.barrier()
             if s == 1:
-                acc.clear()
+                acc[label].clear()
             t = time.perf_counter()
             dcp.save(sd, storage_writer=LocalWriter(f"{root}/{label[:7]}_{s}", fsync=False),
                      planner=planner)
-            totals.append(time.perf_counter() - t)
-        out[label] = {"save": statistics.median(totals[1:]),
-                      **{k: statistics.median(v) for k, v in acc.items()}}
-    return out
+            totals[label].append(time.perf_counter() - t)
+    return {label: {"save": statistics.median(totals[label][1:]),
+                    **{k: statistics.median(v) for k, v in acc[label].items()}}
+            for label in rows}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,7 +3,6 @@ every save, skips DCP's generic probes where the value is a plain tensor."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ class DirectLookupPlanner(DefaultSavePlanner):
         return super().resolve_data(write_item)
 
 
-_DIRECT: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+_DIRECT: dict[type, bool] = {}  # a plain dict: a weak one costs a weakref per lookup
 
 
 def _direct(cls: type) -> bool:
