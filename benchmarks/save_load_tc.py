@@ -16,11 +16,13 @@ Needs ``pip install torch-checkpointing`` (the ``bench`` extra); without it the 
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from dcp_plus.cli.bench.cases import TorchCheckpointingCase, torch_checkpointing_status
+from dcp_plus.cli.bench.models import state_dict_nbytes
 
 W_TC = "save: torch_checkpointing use_direct_io=False (no fsync)"
 W_TC_DIRECT = "save: torch_checkpointing use_direct_io=True, its default (no fsync)"
@@ -57,6 +59,18 @@ def _error(e: BaseException) -> str:
     return f"failed: {type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
+def _memory_short(sd: dict[str, Any]) -> str | None:
+    """Why its staging copy of ``sd`` would not fit in memory now (skip, not OOM), or None."""
+    need = 1.1 * state_dict_nbytes(sd)
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f
+                     if line.startswith("MemAvailable:"))
+    if avail >= need:
+        return None
+    return (f"skipped: its staging copy needs {need / 2**30:.1f} GiB, "
+            f"{avail / 2**30:.1f} GiB available")
+
+
 def _case(direct: bool, sd: dict[str, Any]) -> TorchCheckpointingCase:
     case = TorchCheckpointingCase(direct_io=direct)
     case.manager.prewarm_staging(sd)
@@ -73,6 +87,11 @@ def run_phase(bench: Bench, root: str, rep: int, log: Callable[[str], None]) -> 
         d = os.path.join(root, f"r{rep}-tc-{int(direct)}")
         os.makedirs(d)
         path = os.path.join(d, "ckpt")
+        short = _memory_short(bench.sd)
+        if short:
+            bench.na[name] = short
+            log(f"  {name}: {short}")
+            continue
         case = _case(direct, bench.sd)
         try:
             sample = bench._measure(lambda c=case, p=path: c.save(bench.sd, p), leaves=[d])
@@ -83,8 +102,10 @@ def run_phase(bench: Bench, root: str, rep: int, log: Callable[[str], None]) -> 
                 case.close()
             except Exception:  # noqa: S110 - close re-raises the failed write: reported above
                 pass
+            gc.collect()  # its staging memory goes with the manager
             continue
         case.close()
+        gc.collect()
         bench.samples[name].append(sample)
         if not direct:
             saved = path
