@@ -80,6 +80,29 @@ def _case(direct: bool, sd: dict[str, Any]) -> TorchCheckpointingCase:
     return case
 
 
+def _save(bench: Bench, direct: bool, d: str, path: str) -> Any:
+    """One timed save by a fresh manager: its sample, or why it failed. The manager and its
+    staging memory are gone when this returns (a closed manager still holds them)."""
+    case = _case(direct, bench.sd)
+    try:
+        return bench._measure(lambda: case.save(bench.sd, path), leaves=[d])
+    except Exception as e:  # its direct save on ext4: EINVAL (see the module doc)
+        return _error(e)
+    finally:
+        try:
+            case.close()
+        except Exception:  # noqa: S110 - close re-raises a failed write: reported above
+            pass
+
+
+def _load(bench: Bench, direct: bool, path: str) -> Any:
+    case = TorchCheckpointingCase(direct_io=direct)
+    try:  # a failed load leaves the state zeroed: it ends the benchmark
+        return bench.load_into_state(lambda: case.load(bench.sd, path), path)
+    finally:
+        case.close()
+
+
 def run_phase(bench: Bench, root: str, rep: int, log: Callable[[str], None]) -> int:
     """One repeat's torch_checkpointing saves and loads; returns the rows it ran."""
     saved: str | None = None
@@ -87,26 +110,14 @@ def run_phase(bench: Bench, root: str, rep: int, log: Callable[[str], None]) -> 
         d = os.path.join(root, f"r{rep}-tc-{int(direct)}")
         os.makedirs(d)
         path = os.path.join(d, "ckpt")
-        short = _memory_short(bench.sd)
-        if short:
-            bench.na[name] = short
-            log(f"  {name}: {short}")
-            continue
-        case = _case(direct, bench.sd)
-        try:
-            sample = bench._measure(lambda c=case, p=path: c.save(bench.sd, p), leaves=[d])
-        except Exception as e:  # its direct save on ext4: EINVAL (see the module doc)
-            bench.na[name] = _error(e)
-            log(f"  {name}: {bench.na[name]}")
-            try:
-                case.close()
-            except Exception:  # noqa: S110 - close re-raises the failed write: reported above
-                pass
-            gc.collect()  # its staging memory goes with the manager
-            continue
-        case.close()
+        why = _memory_short(bench.sd)
+        result = why if why else _save(bench, direct, d, path)
         gc.collect()
-        bench.samples[name].append(sample)
+        if isinstance(result, str):
+            bench.na[name] = result
+            log(f"  {name}: {result}")
+            continue
+        bench.samples[name].append(result)
         if not direct:
             saved = path
     if saved is None:
@@ -114,10 +125,6 @@ def run_phase(bench: Bench, root: str, rep: int, log: Callable[[str], None]) -> 
             bench.na[name] = f"n/a: no checkpoint ({bench.na.get(W_TC, '')})"
         return len(SAVES)
     for direct, name in ((False, R_TC), (True, R_TC_DIRECT)):
-        case = TorchCheckpointingCase(direct_io=direct)
-        try:  # a failed load leaves the state zeroed: it ends the benchmark
-            bench.samples[name].append(bench.load_into_state(
-                lambda c=case, p=saved: c.load(bench.sd, p), saved))
-        finally:
-            case.close()
+        bench.samples[name].append(_load(bench, direct, saved))
+        gc.collect()
     return len(SAVES) + len(LOADS)
