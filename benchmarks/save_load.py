@@ -32,6 +32,9 @@ load  dd            buffered: ``dd if=F of=/dev/null bs=64M`` over the dcp_plus 
       dcp_plus      ``dcp.load(sd, storage_reader=LocalReader(d), planner=SafeLoadPlanner(),
                     no_dist=True)``, verify on (threads 4 and 2) and off
       stock         ``FileSystemReader(d)`` with the default load planner
+torch_checkpointing  meta-pytorch's ``CheckpointManager`` with ``use_direct_io=False`` and
+                    ``=True`` (its default), saves and loads, in a phase of their own at the
+                    end of each repeat (``benchmarks.save_load_tc``); not durable (no fsync)
 
 Where the file system refuses O_DIRECT (ramfs, tmpfs before Linux 6.6, some FUSE and network
 file systems), the O_DIRECT rows (and the prototype) say so ("n/a: O_DIRECT refused by ...")
@@ -47,7 +50,13 @@ costs a host fault: buffered writes/reads then run at ~0.4-0.6 GB/s per stream w
 disk does (O_DIRECT: ~4 GB/s). Without the wait, a case's speed depends on which case ran
 just before it (--settle 0 shows it).
 
-Loads go into a pre-faulted destination state dict and are checked bit-exact afterwards.
+Memory: the state, one slab of its size, and nothing else of that size: loads go into the
+state's own tensors (zeroed first, then checked bit-exact against the xxh3-64 of every tensor
+taken before the first save), the O_DIRECT read limit reads into the slab, and the slab is
+released, and the writer workers that map it stopped, while torch_checkpointing (which
+stages into shared memory of its own) runs: an 8 GiB run fits in 24 GiB. The workers are
+started again after it, and map the new slab at the next repeat's first slab save, as they
+do at the first repeat's.
 Every case records the 1-minute load average before it and the CPU time other processes
 used while it ran ("foreign CPU", in cores): the machine is shared.
 Figures are medians over repeats. Progress goes to stderr, the table to stdout.
@@ -56,6 +65,7 @@ Figures are medians over repeats. Progress goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import mmap
@@ -79,6 +89,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tqdm import tqdm
 
+from benchmarks import save_load_tc as tc
 from dcp_plus.cli.bench.limits import (
     STREAMS,
     aligned_buffer,
@@ -95,13 +106,11 @@ from dcp_plus.cli.bench.machine import (
     machine,
 )
 from dcp_plus.cli.bench.models import (
-    empty_like_state_dict,
     gpt2_like_state_dict,
     iter_tensors,
     map_tensors,
     shape_for_size,
     state_dict_nbytes,
-    states_equal,
 )
 from dcp_plus.cli.bench.pagecache import cached_now, residency
 from dcp_plus.format.checksum import checksum_bytes
@@ -112,7 +121,7 @@ from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers.local import LocalReader
 from dcp_plus.storage.fileio import fsync_dir
 from dcp_plus.writers.local import LocalWriter
-from dcp_plus.writers.pool import shutdown_pool
+from dcp_plus.writers.pool import shared_pool, shutdown_pool
 
 CHUNK = 64 << 20
 BOUNCE = 32 << 20
@@ -141,8 +150,8 @@ R_NOVERIFY = "load: dcp_plus LocalReader (no verify, threads=4)"
 R_SLAB = "load: dcp_plus LocalReader (verify), slab-written ckpt"
 R_STOCK = "load: stock FileSystemReader"
 ORDER = [W_DD, W_PWRITE, W_PWRITE2, *W_DIRECT.values(), W_PLUS, W_PLUS4, W_PROTO, STAGE_FIRST,
-         STAGE, W_SLAB, W_STOCK, W_STOCK2, W_STOCK4, R_DD, R_DDPAR, *R_DIRECT.values(), R_PLUS,
-         R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK]
+         STAGE, W_SLAB, W_STOCK, W_STOCK2, W_STOCK4, *tc.SAVES, R_DD, R_DDPAR,
+         *R_DIRECT.values(), R_PLUS, R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK, *tc.LOADS]
 
 
 # ----------------------------------------------------------------------------- timing helpers
@@ -238,6 +247,7 @@ class Bench:
         self.read_buf: mmap.mmap | None = None
         self.refused: str | None = None  # why the file system refuses O_DIRECT
         self.cache_method = "?"
+        self.na: dict[str, str] = {}  # rows that could not run, and why
 
     # -- saves
     def save_dd(self, d: str) -> Sample:
@@ -344,9 +354,12 @@ class Bench:
         warm, page-aligned buffer: what the device delivers to memory that is already faulted
         in (like a live model's tensors)."""
         need = sum(align_up(os.path.getsize(f)) for f in files)
-        if self.read_buf is None or len(self.read_buf) < need:
-            self.read_buf = aligned_buffer(need)  # faulted in once, reused
-        buf = memoryview(self.read_buf)
+        buf = self.slab.slab.buffer  # scratch until the next save copies into it
+        if len(buf) < need:
+            buf.release()
+            if self.read_buf is None or len(self.read_buf) < need:
+                self.read_buf = aligned_buffer(need)  # faulted in once, reused
+            buf = memoryview(self.read_buf)
         try:
             return self._measure(lambda: direct_read(files, streams, buf), cold=files)
         finally:
@@ -355,16 +368,23 @@ class Bench:
     def load_dcp(self, d: str, reader: Any, planner: Any) -> Sample:
         parts: dict[str, float] = {}
         timed_methods(reader, ["read_metadata", "set_up_storage_reader", "read_data"], parts)
-        for dest in self.dest_tensors:
-            dest.zero_()
-
-        def run() -> None:
-            dcp.load(self.dest, storage_reader=reader, planner=planner, no_dist=True)
-        s = self._measure(run, cold=[d])
+        s = self.load_into_state(
+            lambda: dcp.load(self.sd, storage_reader=reader, planner=planner, no_dist=True), d)
         s.parts = {"plan+other": s.seconds - sum(parts.values()), **parts}
+        return s
+
+    def state_sums(self) -> list[str]:
+        return [checksum_bytes(byte_view(t)) for _, t in iter_tensors(self.sd)]
+
+    def load_into_state(self, run: Callable[[], Any], d: str) -> Sample:
+        """Zero the state's tensors, time ``run`` (a load of ``d`` into them) from a cold
+        cache, then check every tensor against its checksum taken before the first save."""
+        for _, t in iter_tensors(self.sd):
+            t.zero_()
+        s = self._measure(run, cold=[d])
         t0 = time.perf_counter()
-        ok = states_equal(self.dest, self.sd) and (
-            self.dest["optim"]["param_groups"] == self.sd["optim"]["param_groups"])
+        ok = self.state_sums() == self.sums and (
+            self.sd["optim"]["param_groups"] == self.param_groups)
         s.extra["verify_s"] = time.perf_counter() - t0
         if not ok:
             raise AssertionError(f"loaded state differs from the saved one ({d})")
@@ -430,9 +450,14 @@ class Bench:
         t = time.perf_counter()
         self.sd = gpt2_like_state_dict(shape)
         self.nbytes = state_dict_nbytes(self.sd)
-        log(f"  built in {time.perf_counter() - t:.1f}s; destination for loads ...")
-        self.dest = empty_like_state_dict(self.sd)
-        self.dest_tensors = [t for _, t in iter_tensors(self.dest)]
+        log(f"  built in {time.perf_counter() - t:.1f}s; checksums (loads are checked "
+            "against them) ...")
+        self.sums = self.state_sums()
+        self.param_groups = copy.deepcopy(self.sd["optim"]["param_groups"])
+        self.tc_missing = tc.missing()
+        if self.tc_missing:
+            log(f"  no torch_checkpointing rows: {self.tc_missing}")
+            self.na.update({n: f"n/a: {self.tc_missing}" for n in tc.SAVES + tc.LOADS})
         log("  staging into a shared-memory slab ...")
         t = time.perf_counter()
         self.slab = SlabState(self.sd)
@@ -473,7 +498,8 @@ class Bench:
             ]
         keep = {W_PLUS, W_SLAB, W_STOCK, W_DIRECT[max(STREAMS)]}
         n_loads = 5 + (0 if self.refused else len(STREAMS)) + (0 if a.no_variants else 2)
-        bar = tqdm(total=a.repeats * (len(saves) + n_loads), file=sys.stderr, unit="case",
+        n_tc = 0 if self.tc_missing else len(tc.SAVES) + len(tc.LOADS)
+        bar = tqdm(total=a.repeats * (len(saves) + n_loads + n_tc), file=sys.stderr, unit="case",
                    dynamic_ncols=True)
         self.bar = bar
         self.load_at_start: list[float] = []
@@ -501,6 +527,21 @@ class Bench:
                     bar.update()
                 for d in kept.values():
                     shutil.rmtree(d)
+                if not self.tc_missing:
+                    bar.set_postfix_str(f"rep {rep + 1}: torch_checkpointing")
+                    # its staging memory instead of the slab (8 GiB runs); the workers map
+                    # the slab until they stop
+                    shutdown_pool()
+                    self.slab.close()
+                    gc.collect()
+                    try:
+                        bar.update(tc.run_phase(self, root, rep, log))
+                    finally:
+                        self.slab = SlabState(self.sd)
+                        self.slab.copy_in()
+                        shared_pool(2)  # started again (the first save starts it too)
+                    for name in os.listdir(root):
+                        shutil.rmtree(os.path.join(root, name))
         finally:
             bar.close()
             shutil.rmtree(root, ignore_errors=True)
@@ -596,7 +637,9 @@ class Bench:
         if self.refused:
             for name in [*W_DIRECT.values(), W_PROTO, *R_DIRECT.values()]:
                 rows[name] = {"na": f"n/a: {self.refused}"}
-            rows = {n: rows[n] for n in sorted(rows, key=ORDER.index)}
+        for name, why in self.na.items():
+            rows.setdefault(name, {"na": why})
+        rows = {n: rows[n] for n in sorted(rows, key=ORDER.index)}
         ratios = {
             "save dcp_plus / write limit": x(W_PLUS, "write"),
             "save dcp_plus / write limit, paired": paired(W_PLUS, "write"),

@@ -1,5 +1,6 @@
-"""Writer worker process: maps stager slabs, checksums extents, writes (O_DIRECT where it can)
-and fsyncs files, or uploads them as one object (S3 multipart).
+"""Writer worker process: maps stager slabs, checksums extents (beside the write of the same
+bytes), writes (O_DIRECT where it can) and fsyncs files, or uploads them as one object (S3
+multipart).
 
 Started as ``python -m dcp_plus.writers.worker FD``. It imports neither torch nor the user's
 ``__main__`` (unlike multiprocessing's spawn), so it starts in tens of milliseconds and needs
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
@@ -189,20 +191,38 @@ def upload(job: UploadJob, segments: list[tuple[int, Any]], total: int,
         store.close()
 
 
+_side: ThreadPoolExecutor | None = None
+
+
+def _side_thread() -> ThreadPoolExecutor:
+    """This process's one thread for checksums taken beside a write (started on first use)."""
+    global _side
+    if _side is None:
+        _side = ThreadPoolExecutor(1, thread_name_prefix="dcpp-hash")
+    return _side
+
+
 def run_job(job: Job, maps: _Mappings, parent: int) -> list[Any]:
     pace = None if job.rate is None else job.rate.open()
     try:
         if isinstance(job, ChunkedJob):
             return run_chunked(job, maps, parent, pace)
-        sums = maps.checksums(job.ranges)
         runs = coalesce(job.ranges)
         if isinstance(job, UploadJob):
+            sums = maps.checksums(job.ranges)
             upload(job, [(ooff, maps.view(slab, soff, n)) for slab, soff, ooff, n in runs],
                    job.total, pace)
-        else:
+            return sums
+        # hashed on a side thread while the same slab bytes are written (xxh3 and pwrite
+        # release the GIL; an O_DIRECT write leaves the CPU idle): the extents' checksums
+        # cost no time of their own (measured: benchmarks/slab_write_profile.py)
+        hashed = _side_thread().submit(maps.checksums, job.ranges)
+        try:
             write(job, [(foff, maps.view(slab, soff, n), soff % DIRECT_ALIGN == 0)
                         for slab, soff, foff, n in runs], parent, pace)
-        return sums
+        finally:
+            wait([hashed])  # the views stay mapped until the hash is done
+        return hashed.result()
     finally:
         if pace is not None:
             pace.close()
