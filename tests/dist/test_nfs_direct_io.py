@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_plus import LocalWriter, NFSReader, SafeLoadPlanner
 from dcp_plus.storage.direct import clear_probe_cache, direct_refusal, fs_type, resident_pages
 from tests.conftest import DTYPES, assert_bit_exact, load, load_target, random_tensor
+from tests.unit.test_direct_io import save_via
 from tools.testkit.ganesha import GaneshaServer
 from tools.testkit.nfs_fuse import NfsFuseMount, fuse_problem
 
@@ -103,20 +104,8 @@ def test_auto_direct_save_and_load_on_the_export_are_bit_exact_and_leave_no_cach
     sd = odd_state()
     expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
     name = f"ckpt-{uuid.uuid4().hex[:8]}"
-    writer = LocalWriter(mnt / name, direct_io="auto", streams=2)
-    if workers_path:
-        from dcp_plus.stagers import ArenaStager
-
-        stager = ArenaStager()
-        try:
-            resp = dcp.async_save(sd, storage_writer=writer, async_stager=stager, no_dist=True)
-            resp.staging_completion.result()
-            resp.upload_completion.result()
-        finally:
-            stager.close()
-    else:
-        dcp.save(sd, storage_writer=writer, no_dist=True)
-
+    writer = save_via("arena" if workers_path else "dcp.save", sd, mnt / name,
+                      direct_io="auto", streams=2)
     assert writer._direct, "the writer fell back to buffered writes on the FUSE-mounted export"
     # the files are on the server, and another NFS client reads them bit-exact
     assert sorted(os.listdir(on_server / name)) == sorted(os.listdir(mnt / name))

@@ -83,11 +83,13 @@ def cached_fraction(ckpt: Path) -> float:
     return resident / total
 
 
-def save_via(how: str, sd: dict[str, Any], path: Path, **kwargs: Any) -> None:
+def save_via(how: str, sd: dict[str, Any], path: Path, **kwargs: Any) -> LocalWriter:
+    """Save ``sd`` to ``path`` with ``dcp.save`` or ``async_save`` and an ``"arena"`` or a
+    DCP stager; the writer used."""
     writer = LocalWriter(path, **kwargs)
     if how == "dcp.save":
         dcp.save(sd, storage_writer=writer, no_dist=True)
-        return
+        return writer
     stager: Any = (ArenaStager() if how == "arena" else
                    DefaultStager(StagingOptions(use_pinned_memory=False, use_non_blocking_copy=False)))
     try:
@@ -96,6 +98,7 @@ def save_via(how: str, sd: dict[str, Any], path: Path, **kwargs: Any) -> None:
         resp.upload_completion.result()
     finally:
         stager.close()
+    return writer
 
 
 @pytest.fixture(autouse=True)
