@@ -13,7 +13,7 @@ besides moving its bytes:
 The constants are measured with ``benchmarks/scaling.py`` on the 2-core dev VM (commands and
 figures in ``docs/benchmarks.md``, section "Fixed costs at scale (issue 22)"): the
 coordinator's CPU time fitted as ``a + b x ranks`` at 250 and at 1,000 tensors per rank
-(2-16 ranks each, 2026-12-04, commit ``c15ed1a``), then ``a`` and ``b`` each split into a
+(2-16 ranks each, 2026-12-06, commit ``13637cb``: with the record memo of a hit), then ``a`` and ``b`` each split into a
 constant and a per-tensor part from the two tensor counts. The network is the model stated
 there (:class:`Net`).
 """
@@ -23,16 +23,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-LOCAL_S_PER_SAVE = 23e-3
+LOCAL_S_PER_SAVE = 17.9e-3
 """One rank's own CPU time per hit save, whatever its tensors (files, tables, collectives)."""
-LOCAL_S_PER_TENSOR = 26e-6
+LOCAL_S_PER_TENSOR = 7.2e-6
 """One rank's own CPU time per tensor of a hit save."""
-COORD_S_PER_RANK = 0.59e-3
+COORD_S_PER_RANK = 0.535e-3
 """The coordinator's CPU time per rank (reading its extent table, its share of the
 collectives)."""
-COORD_S_PER_RANK_TENSOR = 10.2e-6
+COORD_S_PER_RANK_TENSOR = 3.18e-6
 """The coordinator's CPU time per tensor of each rank (the table's rows, the record's)."""
-HIT_PAYLOAD_B = {"plan_gather": 162, "plan_scatter": 225, "write_gather": 381,
+HIT_PAYLOAD_B = {"plan_gather": 162, "plan_scatter": 230, "write_gather": 381,
                  "metadata_broadcast": 206}
 """Bytes one rank puts in each collective of a hit (measured; independent of the tensors)."""
 
