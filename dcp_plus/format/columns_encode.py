@@ -42,17 +42,25 @@ def encode_columns(metadata: Metadata, extents: Mapping[MetadataIndex, Extent],
         CheckpointFormatError: an extent of no item or chunk, or a chunk without an extent
             (the columnar form stores each chunk with its extent).
     """
-    fields = encode_items(metadata, dtype_name)
+    index = item_index(metadata)
+    fields = encode_items(metadata, dtype_name, index.tensors)
     tables, locations = extent_locations(extents)
     return {**fields, **tables, "extents": {
-        **encode_chunk_table(extent_keys(extents), item_index(metadata)), **locations}}
+        **encode_chunk_table(extent_keys(extents), index), **locations}}
 
 
-def encode_items(metadata: Metadata, dtype_name: Callable[[torch.dtype], str]
-                 ) -> dict[str, Any]:
-    """The ``dtypes`` and ``items`` fields: what the state-dict structure alone decides."""
+def _tensors(metadata: Metadata) -> list[TensorStorageMetadata | None]:
+    return [md if isinstance(md, TensorStorageMetadata) else None
+            for md in metadata.state_dict_metadata.values()]
+
+
+def encode_items(metadata: Metadata, dtype_name: Callable[[torch.dtype], str],
+                 tensors: list[TensorStorageMetadata | None] | None = None) -> dict[str, Any]:
+    """The ``dtypes`` and ``items`` fields: what the state-dict structure alone decides
+    (``tensors``: each item's tensor metadata, as :func:`item_index` has it)."""
     sd_md = metadata.state_dict_metadata
-    tensors = [md if isinstance(md, TensorStorageMetadata) else None for md in sd_md.values()]
+    if tensors is None:
+        tensors = _tensors(metadata)
     dtypes: dict[str, int] = {}
     dtype_at: dict[torch.dtype, int] = {}  # a dtype's name looked up once, not per item
 
@@ -74,7 +82,7 @@ def encode_items(metadata: Metadata, dtype_name: Callable[[torch.dtype], str]
 
 def item_index(metadata: Metadata) -> ItemIndex:
     sd_md = metadata.state_dict_metadata
-    tensors = [md if isinstance(md, TensorStorageMetadata) else None for md in sd_md.values()]
+    tensors = _tensors(metadata)
     # dims of each tensor stored as one chunk at offset 0 (its extents' columns are null)
     whole = [-1 if md is None or len(md.chunks) != 1 or any(md.chunks[0].offsets)
              or md.chunks[0].sizes != md.size else len(md.size) for md in tensors]
