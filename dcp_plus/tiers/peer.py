@@ -79,15 +79,32 @@ def _create(name: str, size: int) -> torch.Tensor:
 
 
 class _Sends:
-    """Sends in flight, and the buffers they read (alive until they complete)."""
+    """Sends in flight, and the buffers they read (alive until they complete); the data of
+    a restore's send may be held back until ``start`` (see :meth:`PeerTier.serve`)."""
 
-    def __init__(self, work: list[Any], buffers: object) -> None:
-        self.work, self.buffers = work, buffers
+    def __init__(self, work: list[Any], buffers: object,
+                 later: Callable[[], list[Any]] | None = None) -> None:
+        self.work, self.buffers, self._later = work, buffers, later
+
+    def start(self) -> None:
+        """Post the sends held back, if any."""
+        later, self._later = self._later, None
+        if later is not None:
+            self.work += later()
 
     def wait(self) -> None:
+        self.start()
         for w in self.work:
             w.wait()
-        self.buffers = None
+        # Unmapping a served replica costs ~0.07 s per GiB of page tables: let it happen
+        # off the restore's path (the work objects hold the mapped tensors too).
+        _drop_later([self.work, self.buffers])
+        self.work, self.buffers = [], None
+
+
+def _drop_later(refs: list[Any]) -> None:
+    """Drop ``refs`` (the caller's last references) on a short-lived thread."""
+    threading.Thread(target=refs.clear, name="dcpp-peer-unmap", daemon=True).start()
 
 
 class PeerTier:
@@ -103,6 +120,7 @@ class PeerTier:
         self.source = table.index(rank)
         """Whose replica this rank holds."""
         self._lock = threading.Lock()
+        self._held_back: list[_Sends] = []
 
     # -- replicating ----------------------------------------------------------------------
 
@@ -134,9 +152,10 @@ class PeerTier:
         return replica
 
     def _send(self, record: TierRecord | None, dst: int, step: int,
-              segments: list[Segment]) -> list[_Sends]:
+              segments: list[Segment], hold_data: bool = False) -> list[_Sends]:
         """Send the header, the metadata, then ``segments`` of ``record``'s files, each a
-        message (a replica's files for a copy, a tensor or run of them for a restore)."""
+        message (a replica's files for a copy, a tensor or run of them for a restore); with
+        ``hold_data``, the segments only once the returned sends are started."""
         if record is None:  # nothing to send, but the receiver waits for a header
             header = torch.tensor([step, 0, 0], dtype=torch.int64)
             return [_Sends([dist.isend(header, group_dst=dst, group=self.group)], header)]
@@ -149,9 +168,15 @@ class PeerTier:
             parts.append(files.bytes_of(probe, f"peer send of step {record.step}"))
         header = torch.tensor([record.step, len(meta), sum(s[2] for s in segments)],
                               dtype=torch.int64)
-        work = [dist.isend(header, group_dst=dst, group=self.group)]
-        work += [dist.isend(p, group_dst=dst, group=self.group) for p in parts if p.numel()]
-        return [_Sends(work, (header, parts, files))]
+        work = [dist.isend(p, group_dst=dst, group=self.group) for p in (header, parts[0])]
+
+        def data() -> list[Any]:
+            return [dist.isend(p, group_dst=dst, group=self.group) for p in parts[1:]
+                    if p.numel()]
+        sends = _Sends(work, (header, parts, files), data)
+        if not hold_data:
+            sends.start()
+        return [sends]
 
     def _receive_meta(self, src: int) -> tuple[int, TierRecord | None, list[Segment]]:
         header = torch.zeros(3, dtype=torch.int64)
@@ -221,19 +246,35 @@ class PeerTier:
         return [r for r in read_records(self.job, self.rank, owner=self.source)
                 if r.world_size == self.world_size]
 
-    def serve(self, record: TierRecord, to: int) -> list[_Sends]:
-        """Start sending the replica ``record`` back to its owner ``to``."""
+    def serve(self, record: TierRecord, to: int, after_fetch: bool = False) -> list[_Sends]:
+        """Start sending the replica ``record`` back to its owner ``to``. With
+        ``after_fetch`` (this rank restores from its own partner too), only the header and
+        metadata go now and the data once :meth:`fetch` has posted its receives: posted
+        before, the two transfers can run one after the other instead of together."""
         segments = [m.segment for m in messages_of(record.entries)]
-        return self._send(record, to, record.step, segments)
+        sends = self._send(record, to, record.step, segments, hold_data=after_fetch)
+        if after_fetch:
+            self._held_back += sends
+        return sends
 
     def fetch(self, flat: Flat) -> tuple[TierRecord, dict[str, Any]]:
         """Receive this rank's replica from its partner into ``flat`` (verified); returns
         the replica's record and its non-tensor values."""
-        _, rec, segments = self._receive_meta(self.partner)
-        if rec is None:
-            raise CheckpointFormatError(f"peer tier: rank {self.partner} sent no replica")
-        source = f"peer replica of rank {self.rank} step {rec.step} (held by rank {self.partner})"
-        return rec, receive_verified(rec, segments, flat, self.partner, self.group, source)
+        try:
+            _, rec, segments = self._receive_meta(self.partner)
+            if rec is None:
+                raise CheckpointFormatError(f"peer tier: rank {self.partner} sent no replica")
+            source = f"peer replica of rank {self.rank} step {rec.step} (held by rank " \
+                f"{self.partner})"
+            return rec, receive_verified(rec, segments, flat, self.partner, self.group, source,
+                                         posted=self._start_held_back)
+        finally:
+            self._start_held_back()
+
+    def _start_held_back(self) -> None:
+        held, self._held_back = self._held_back, []
+        for sends in held:
+            sends.start()
 
     def remove_all(self) -> None:
         """Remove every replica held here."""

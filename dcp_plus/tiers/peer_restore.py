@@ -4,6 +4,7 @@ no second copy) and hashed while the next messages arrive; small tensors travel 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,10 +73,12 @@ def messages_of(entries: list[TensorEntry]) -> list[Message]:
 
 
 def receive_verified(record: TierRecord, segments: list[Segment], flat: Flat, src: int,
-                     group: Any, source: str) -> dict[str, Any]:
+                     group: Any, source: str,
+                     posted: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """Receive ``record``'s bytes (announced as ``segments``) from ``src`` into ``flat``'s
     tensors, verified; returns the non-tensor values. Every announced byte is received even
-    when the state does not fit, so the sender is never left waiting; then it raises."""
+    when the state does not fit, so the sender is never left waiting; then it raises.
+    ``posted()`` is called once every receive is posted."""
     messages = messages_of(record.entries)
     error: Exception | None = None
     dests: list[torch.Tensor] | None = None
@@ -87,7 +90,7 @@ def receive_verified(record: TierRecord, segments: list[Segment], flat: Flat, sr
             dests = destinations(record, flat, source)
         except CheckpointFormatError as bad:
             error = bad
-    posted = []
+    receives = []
     for m in messages:
         direct = dests is not None and len(m.entries) == 1 and \
             lands_in_place(record.entries[m.entries[0]], dests[m.entries[0]])
@@ -95,8 +98,9 @@ def receive_verified(record: TierRecord, segments: list[Segment], flat: Flat, sr
             if direct and dests is not None else torch.empty(m.length, dtype=torch.uint8)
         work = dist.irecv(target, group_src=src, group=group)
         assert work is not None  # this rank is in the group
-        posted.append((m, target, direct, work))
-    for m, target, direct, work in posted:
+        receives.append((m, target, direct, work))
+    posted()
+    for m, target, direct, work in receives:
         work.wait()  # xxh3 releases the GIL: the next messages arrive meanwhile
         if error is not None or dests is None:
             continue

@@ -1,5 +1,5 @@
 """Memory-tier data files in ``/dev/shm`` as a restore reads them (``pread``) and as a peer
-send hands them to gloo (mapped, page tables filled range by range)."""
+send hands them to gloo (mapped)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from dcp_plus.format.values import byte_view
 from dcp_plus.memory.slabs import SHM_DIR, registry
 from dcp_plus.tiers import names
 from dcp_plus.tiers.record import TensorEntry
-
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 
 
 def _map(name: str) -> tuple[mmap.mmap, int]:
@@ -42,9 +40,9 @@ class MappedFiles:
     """Memory-tier data files by name, as tensors to send (the peer tier's send side).
 
     An own snapshot's slab that this process's stager holds is used as it is mapped there;
-    any other file is mapped once, and each range's page tables are filled just before it is
-    handed out (``MADV_POPULATE_READ``), so filling the next range overlaps sending this one
-    instead of a whole-file ``MAP_POPULATE`` up front."""
+    any other file is mapped once, and its pages fault in as gloo's threads send them: filling
+    the page tables up front (``MAP_POPULATE`` or ``MADV_POPULATE_READ``) costs as much and
+    delays the first send by ~0.07 s per GiB."""
 
     def __init__(self) -> None:
         self._open: dict[str, tuple[mmap.mmap | None, torch.Tensor]] = {}
@@ -71,15 +69,9 @@ class MappedFiles:
     def bytes_of(self, entry: TensorEntry, source: str) -> torch.Tensor:
         if entry.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        m, base = self._base(entry, source)
+        _, base = self._base(entry, source)
         if entry.offset + entry.nbytes > base.numel():
             raise _past_end(entry, source)
-        if m is not None:
-            lo = entry.offset - entry.offset % mmap.PAGESIZE
-            try:
-                m.madvise(MADV_POPULATE_READ, lo, entry.offset + entry.nbytes - lo)
-            except OSError:  # an older kernel: the pages fault in as they are sent
-                pass
         return base[entry.offset:entry.offset + entry.nbytes]
 
 

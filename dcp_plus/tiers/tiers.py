@@ -143,7 +143,8 @@ class Tiers:
         def serve(step: int, plan: list[str]) -> list[Any]:
             if self.peer is None or plan[self.peer.source] != PEER:
                 return []
-            return self.peer.serve(held[step], self.peer.source)
+            return self.peer.serve(held[step], self.peer.source,
+                                   after_fetch=plan[self.rank] == PEER)
 
         attempt = Attempt(self.rank, {MEMORY: take_memory, PEER: take_peer,
                                       DURABLE: take_durable}, serve)

@@ -95,6 +95,40 @@ def test_a_damaged_replica_is_detected_and_the_job_falls_back_to_durable(tmp_pat
     assert all(r["exact"] for r in res)
 
 
+@pytest.mark.parametrize("damaged", [None, 0], ids=["intact", "rank0-replica-damaged"])
+def test_when_every_node_lost_its_memory_every_rank_restores_from_its_partner(tmp_path, job,
+                                                                             damaged):
+    """Each rank serves its partner's replica while it fetches its own (the data of both
+    directions flows at once); a damaged replica fails its owner's restore and every rank
+    then agrees on the durable step."""
+    base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
+            "job_id": job, "out": str(tmp_path / "out")}
+    assert _run(tmp_path, {**base, "mode": "train", "until": 5}) == [-9] * 2
+    for f in names.listing(job):
+        if f.holder == f.owner:
+            names.unlink(f.name)
+    if damaged is not None:
+        (replica,) = [f for f in names.listing(job) if f.kind == "replica" and
+                      f.owner == damaged]
+        with open(replica.path, "r+b") as fh:
+            fh.seek(4096)
+            byte = fh.read(1)
+            fh.seek(4096)
+            fh.write(bytes([byte[0] ^ 0x01]))
+    assert _run(tmp_path, {**base, "mode": "resume", "keep": True}) == [0, 0]
+    res = _results(tmp_path, 2)
+    assert all(r["exact"] for r in res)
+    if damaged is None:
+        assert [r["step"] for r in res] == [5, 5]
+        assert res[0]["tiers"] == ["peer", "peer"]
+        # restoring consumed no replica: a second restart restores from them again
+        assert _run(tmp_path, {**base, "mode": "resume"}) == [0, 0]
+        assert [r["step"] for r in _results(tmp_path, 2)] == [5, 5]
+    else:
+        assert [r["step"] for r in res] == [4, 4]
+        assert res[0]["tiers"] == ["durable", "durable"]
+
+
 @pytest.mark.parametrize("phase", ["memory", "persist", "commit"])
 def test_a_kill_during_a_save_resumes_from_the_newest_complete_snapshot(tmp_path, job, phase):
     base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
