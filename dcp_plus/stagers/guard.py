@@ -45,18 +45,25 @@ def install_guard(
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"guard() takes optimizers, got {type(opt).__name__}")
 
+    once: list[Any] = []  # the post-hooks of after_first_step, removed once they ran
+    ran = [after_first_step is None]
+
     def hook(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
+        if ran[0] and once:
+            # removed here, not in the post-hook itself: torch iterates the post-hooks'
+            # dict while calling them, so removing one there breaks every later hook
+            for h in once:
+                h.remove()
+            once.clear()
         synchronize()
 
     handles = [opt.register_step_pre_hook(hook) for opt in opts]
     if after_first_step is not None:
-        once: list[Any] = []
 
         def post(_opt: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-            for h in once:
-                h.remove()
-            once.clear()
-            after_first_step(opts)
+            if not ran[0]:
+                ran[0] = True
+                after_first_step(opts)
 
         once.extend(opt.register_step_post_hook(post) for opt in opts)
         handles.extend(once)

@@ -477,6 +477,24 @@ def test_guard_prefaults_after_the_first_step_for_the_first_checkpoint(tmp_path)
         assert torch.equal(loaded[k], v), k
 
 
+def test_the_guard_leaves_step_hooks_registered_after_it_working():
+    """The one-off post-hook that starts the pre-fault must not be removed while torch
+    iterates the post-hooks: a hook registered after the guard (an EMA, a logger, TorchTitan's
+    MoE bias update) used to make the first step raise "OrderedDict mutated"."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    calls = []
+    with ArenaStager() as stager:
+        stager.guard(opt)
+        opt.register_step_post_hook(lambda *_: calls.append(1))
+        for _ in range(3):
+            _train_step(model, opt)
+        assert calls == [1, 1, 1]
+        assert stager._prefaulted is not None  # the first step still started the pre-fault
+        stager._prefaulted.result()
+        assert len(opt._optimizer_step_post_hooks) == 1  # the guard's own one is gone
+
+
 def test_prefault_respects_max_bytes():
     with ArenaStager(max_bytes=1 << 20) as stager:
         with pytest.raises(CapacityError, match="max_bytes"):
