@@ -1,16 +1,19 @@
 """Training overhead of the memory tier against staging alone, snapshotting every step.
 
-``python -m benchmarks.tier_overhead --dim 512 --layers 8 --steps 30 --pairs 3``: the demo's
-TinyLM with AdamW on CPU, ``--threads`` torch threads for training. Rows, each checkpointing
-every step, as a step-time overhead against no checkpointing:
+``python -m benchmarks.tier_overhead --dim 512 --layers 8 --steps 4 --rounds 12``: the demo's
+TinyLM with AdamW on CPU, ``--threads`` torch threads for training. Three kinds of block of
+``--steps`` steps, each checkpointing every step or not at all:
 
+* plain: no checkpoint;
 * staging alone: an ``ArenaStager(buffers=2)`` snapshot with its optimizer guard, nothing kept
   or persisted (the floor of any snapshot);
 * memory tier: ``CheckpointManager(memory_tier=True)`` with its guard; every save stays in
   memory (its first, durable, save is a warm-up, not measured).
 
-The VM's speed drifts within a minute, so each cell is the median over ``--pairs`` of (the
-block / a no-checkpoint block right before it), each pair's value in brackets.
+The VM's speed drifts by 10-20 % within a minute, more than the 1-point goal, so the blocks
+are interleaved: each round runs the three once, in a rotating order, and each overhead is a
+ratio to the plain block of the same round. Cells: the median over ``--rounds`` with the
+quartiles; the last row is the per-round difference memory tier - staging alone, in points.
 """
 
 from __future__ import annotations
@@ -46,71 +49,70 @@ def _mean_step(steps: int, first: int, model: Any, opt: Any,
     return statistics.mean(times)
 
 
-def cell(pairs: int, plain: Block, block: Block, start: int) -> tuple[str, int]:
-    ratios = []
-    for _ in range(pairs):
-        base = plain(start)
-        ratios.append(block(start + 1000) / base)
-        start += 2000
-    med = statistics.median(ratios)
-    each = ", ".join(f"{(r - 1) * 100:+.1f}" for r in ratios)
-    return f"{(med - 1) * 100:+.1f}% ({each})", start
+def _quartiles(values: list[float]) -> str:
+    q1, med, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return f"{med:+.1f} (quartiles {q1:+.1f} .. {q3:+.1f})"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--steps", type=int, default=30, help="steps per block")
-    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=4, help="steps per block")
+    p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--threads", type=int, default=1, help="torch threads for training")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model, opt = build(dim=a.dim, layers=a.layers)
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # + AdamW
     root = tempfile.mkdtemp(prefix="dcpp-bench-overhead-")
-
-    def plain(first: int) -> float:
-        return _mean_step(a.steps, first, model, opt, None)
-
-    rows = {}
     stager = ArenaStager(buffers=2, executor="other")
     guard = stager.guard(opt)
+    m = CheckpointManager(root, memory_tier=True, durable_every=1 << 30,
+                          job_id=f"bo{uuid.uuid4().hex[:10]}")
+    m.guard(opt)
     last: list[Future[Any]] = []
 
     def stage(step: int) -> None:
         last[:] = [stager.stage(state_of(model, opt, step))]  # drops the previous snapshot
 
-    train_step(model, opt, 0)
-    stage(0)  # warm-up: the arenas are allocated
-    rows["staging alone (ArenaStager, guard)"], start = cell(
-        a.pairs, plain, lambda first: _mean_step(a.steps, first, model, opt, stage), 1)
-    last.clear()
-    guard.remove()
-    stager.close()
-
-    m = CheckpointManager(root, memory_tier=True, durable_every=1 << 30,
-                          job_id=f"bo{uuid.uuid4().hex[:10]}")
-    m.guard(opt)
-
     def keep(step: int) -> None:
         m.save(step, state_of(model, opt, step))
 
-    keep(start)  # the first save is durable: a warm-up
+    train_step(model, opt, 0)
+    stage(0)  # warm-ups: the arenas are allocated, the first (durable) save is done
+    keep(0)
     m.wait()
-    rows["memory tier (CheckpointManager, guard)"], start = cell(
-        a.pairs, plain, lambda first: _mean_step(a.steps, first, model, opt, keep), start + 1)
-    m.wait()
-    m.close()
-    shutil.rmtree(root, ignore_errors=True)
-    base = plain(start)
+    blocks: dict[str, Callable[[int], None] | None] = {
+        "plain": None, "staging": stage, "tier": keep}
+    names = list(blocks)
+    overhead: dict[str, list[float]] = {"staging": [], "tier": []}
+    step = 1
+    try:
+        for r in range(a.rounds):
+            took = {}
+            for name in names[r % 3:] + names[:r % 3]:
+                took[name] = _mean_step(a.steps, step, model, opt, blocks[name])
+                step += a.steps
+                m.wait()
+                last.clear()
+            for name in overhead:
+                overhead[name].append((took[name] / took["plain"] - 1) * 100)
+            base = took["plain"]
+    finally:
+        m.close()
+        guard.remove()
+        stager.close()
+        shutil.rmtree(root, ignore_errors=True)
+    diff = [t - s for t, s in zip(overhead["tier"], overhead["staging"], strict=True)]
     print(f"TinyLM dim {a.dim} x {a.layers} layers: {nbytes / 1e6:.0f} MB state, "
           f"{a.threads} training thread(s), {base * 1e3:.0f} ms a step, every step saved, "
-          f"{a.pairs} pairs of {a.steps}-step blocks")
-    print("| snapshot every step | overhead vs no checkpoint: median (each pair) |")
+          f"{a.rounds} rounds of 3 interleaved {a.steps}-step blocks")
+    print("| snapshot every step | overhead vs no checkpoint, %: median (quartiles) |")
     print("|---|---|")
-    for name, value in rows.items():
-        print(f"| {name} | {value} |")
+    print(f"| staging alone (ArenaStager, guard) | {_quartiles(overhead['staging'])} |")
+    print(f"| memory tier (CheckpointManager, guard) | {_quartiles(overhead['tier'])} |")
+    print(f"| memory tier - staging alone, points | {_quartiles(diff)} |")
 
 
 if __name__ == "__main__":
