@@ -8,8 +8,10 @@ wires ``build()`` to the class that declares the ``Config``).
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from torchtitan.components.checkpointer import CheckpointManager
 
@@ -149,6 +151,11 @@ class DcpPlusConfig(CheckpointManager.Config):
     """Ranks per node (failure domain) for ``peer_tier``; default: torchrun's
     ``LOCAL_WORLD_SIZE``."""
 
+    peer_partner: str | None = None
+    """For ``peer_tier`` with explicit failure domains: ``"package.module:function"``, a
+    function ``partner(rank) -> rank`` naming who holds each rank's replica (a permutation
+    with no rank its own partner, checked at start); default: ``rank + ranks_per_node``."""
+
     job_id: str | None = None
     """Names the job's snapshots in ``/dev/shm`` (1-64 characters of ``A-Za-z0-9_.``);
     default: a hash of the checkpoint folder, so two jobs never share a snapshot."""
@@ -162,7 +169,8 @@ class DcpPlusConfig(CheckpointManager.Config):
         """The memory and peer tier settings, as ``dcp_plus.manager.CheckpointManager``
         takes them (raises ``ValueError`` naming a bad one)."""
         return TierOptions(self.memory_tier, self.durable_every, self.job_id, self.peer_tier,
-                           self.ranks_per_node, None, self.memory_tier_bytes)
+                           self.ranks_per_node, _partner_function(self.peer_partner),
+                           self.memory_tier_bytes)
 
     def __post_init__(self) -> None:
         CheckpointManager.Config.__post_init__(self)
@@ -214,7 +222,27 @@ def _check_incremental(cfg: Any) -> None:
                          "checkpoint.stager_buffers=2 and an async_mode")
 
 
+def _partner_function(path: str | None) -> Callable[[int], int] | None:
+    """The function ``checkpoint.peer_partner`` names, imported (``ValueError`` naming the
+    path when it cannot be)."""
+    if path is None:
+        return None
+    module, sep, name = path.partition(":")
+    if not (module and sep and name):
+        raise ValueError(f"peer_partner={path!r} is not 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"peer_partner={path!r} cannot be imported: {e}") from e
+    if not callable(fn):
+        raise ValueError(f"peer_partner={path!r} is a {type(fn).__name__}, not a function")
+    return cast(Callable[[int], int], fn)
+
+
 def _check_tiers(cfg: Any) -> None:
+    if cfg.peer_partner is not None and not cfg.peer_tier:
+        raise ValueError(f"checkpoint.peer_partner={cfg.peer_partner!r} needs "
+                         "checkpoint.peer_tier=True")
     try:
         cfg.tier_options()
         if cfg.job_id is not None:

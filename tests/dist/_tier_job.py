@@ -4,7 +4,8 @@ Usage: ``python -m tests.dist._tier_job SPEC_JSON RANK``. SPEC: ``world_size``, 
 ``root``, ``job_id``, ``mode`` (``train``: save steps 1..``until`` with every rank dying at
 ``kill_phase`` of step ``until``, or after it when that is ``"after"``; ``until`` 0: save until
 killed from outside, each state of ``big`` floats; ``resume``: restore and write ``out`` +
-``.RANK.json`` with the step, tiers and whether the state is bit-exact).
+``.RANK.json`` with the step, tiers and whether the state is bit-exact); ``mirrored``: the
+explicit ``partner=`` :func:`mirrored` instead of ``rank + ranks_per_node``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ def expected(rank: int, step: int, big: int = 64 * 1024) -> dict[str, Any]:
              "t": torch.randn(16, 8, generator=g).t(), "e": torch.empty(0)}
     return {"model": {f"{k}{rank}": v for k, v in model.items()},
             "extra": {"step": step, f"rng{rank}": io.BytesIO(b"r%d-%d" % (rank, step))}}
+
+
+def mirrored(rank: int) -> int:
+    """An explicit failure-domain map for 4 ranks: 0 <-> 3, 1 <-> 2."""
+    return 3 - rank
 
 
 def same(a: dict[str, Any], b: dict[str, Any], rank: int) -> bool:
@@ -57,7 +63,7 @@ def main(spec_path: str, rank_arg: str) -> None:
     m = CheckpointManager(spec["root"], memory_tier=True, peer_tier=spec["world_size"] > 1,
                           ranks_per_node=spec.get("ranks_per_node", 1), durable_every=3,
                           job_id=spec["job_id"], takeover=True, keep_last=2, on_phase=hook,
-                          interval=1)
+                          interval=1, partner=mirrored if spec.get("mirrored") else None)
     if spec["mode"] == "train":
         start = spec.get("start", 1)
         if start > 1:  # a restarted life: resume first

@@ -95,6 +95,23 @@ def test_a_damaged_replica_is_detected_and_the_job_falls_back_to_durable(tmp_pat
     assert all(r["exact"] for r in res)
 
 
+def test_an_explicit_partner_function_decides_who_holds_each_replica(tmp_path, job):
+    base = {"world_size": 4, "ranks_per_node": 2, "root": str(tmp_path / "root"),
+            "job_id": job, "out": str(tmp_path / "out"), "mirrored": True}
+    assert _run(tmp_path, {**base, "mode": "train", "until": 5}) == [-9] * 4
+    replicas = sorted((f.owner, f.holder) for f in names.listing(job) if f.kind == "record"
+                      and f.owner != f.holder)
+    assert replicas == [(0, 3), (1, 2), (2, 1), (3, 0)]  # not rank + ranks_per_node
+    for f in names.listing(job):  # ranks 1 and 3 lost their memory
+        if f.holder in (1, 3):
+            names.unlink(f.name)
+    assert _run(tmp_path, {**base, "mode": "resume"}) == [0] * 4
+    res = _results(tmp_path, 4)
+    assert [r["step"] for r in res] == [5] * 4
+    assert res[0]["tiers"] == ["memory", "peer", "memory", "peer"]
+    assert all(r["exact"] for r in res)
+
+
 @pytest.mark.parametrize("damaged", [None, 0], ids=["intact", "rank0-replica-damaged"])
 def test_when_every_node_lost_its_memory_every_rank_restores_from_its_partner(tmp_path, job,
                                                                              damaged):

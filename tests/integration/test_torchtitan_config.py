@@ -79,6 +79,18 @@ def test_override_json_sets_the_memory_and_peer_tiers() -> None:
     assert cfg.tier_options() == TierOptions(True, 4, "run.7", True, 8, None, 1 << 30)
 
 
+def test_peer_partner_names_an_importable_partner_function() -> None:
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    from dcp_plus.integrations.torchtitan import use_dcp_plus
+    from tests.dist._tier_job import mirrored
+
+    cfg = use_dcp_plus(CheckpointManager.Config(enable=True, async_mode="async"),
+                       memory_tier=True, peer_tier=True,
+                       peer_partner="tests.dist._tier_job:mirrored")
+    assert cfg.tier_options().partner is mirrored
+
+
 @pytest.mark.parametrize(("bad", "message"), [
     ({"memory_tier": True, "durable_every": 0}, "checkpoint.durable_every must be an integer"),
     ({"durable_every": 3}, "checkpoint.durable_every=3 needs checkpoint.memory_tier=True"),
@@ -91,6 +103,14 @@ def test_override_json_sets_the_memory_and_peer_tiers() -> None:
      "checkpoint.memory_tier=True needs checkpoint.async_mode 'async'"),
     ({"memory_tier": True, "async_executor": "process"},
      "checkpoint.memory_tier=True needs checkpoint.async_executor='thread'"),
+    ({"memory_tier": True, "peer_partner": "tests.dist._tier_job:mirrored"},
+     "checkpoint.peer_partner='tests.dist._tier_job:mirrored' needs checkpoint.peer_tier=True"),
+    ({"memory_tier": True, "peer_tier": True, "peer_partner": "mirrored"},
+     "checkpoint.peer_partner='mirrored' is not 'package.module:function'"),
+    ({"memory_tier": True, "peer_tier": True, "peer_partner": "no_such_module_x:f"},
+     "checkpoint.peer_partner='no_such_module_x:f' cannot be imported"),
+    ({"memory_tier": True, "peer_tier": True, "peer_partner": "os:sep"},
+     "checkpoint.peer_partner='os:sep' is a str, not a function"),
 ])
 def test_bad_tier_settings_are_refused_naming_the_setting(bad: dict, message: str) -> None:
     from dcp_plus.integrations.torchtitan import DcpPlusCheckpointManager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import uuid
 
 import pytest
@@ -136,6 +137,20 @@ def test_peer_tier_settings_are_checked(tmp_path, job):
     with pytest.raises(ValueError, match="durable_every"):
         CheckpointManager(tmp_path / "r", memory_tier=True, durable_every=0, job_id=job)
     assert not os.path.exists(tmp_path / "r" / "step_00000001")
+
+
+@pytest.mark.parametrize(("partner", "message"), [
+    (lambda r: r, "rank 0 is its own partner"),
+    (lambda r: 0 if r else 1, "not a permutation"),
+    (lambda r: r + 1, "partner(3) = 4 is not a rank of 0..3"),
+    (lambda r: float(r ^ 1), "partner(0) = 1.0 is not a rank"),
+])
+def test_a_bad_partner_function_is_refused_naming_the_rank(partner, message):
+    from dcp_plus.tiers.peer import check_partner
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_partner(partner, 4)
+    assert check_partner(lambda r: 3 - r, 4) == [3, 2, 1, 0]
 
 
 def test_gc_shm_removes_a_finished_jobs_snapshots_but_not_a_live_ones(tmp_path, job):
