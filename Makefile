@@ -59,7 +59,8 @@ $(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
 	touch $(TITAN_STAMP)
 
 test-torchtitan: $(TITAN_STAMP)
-	$(TITAN_VENV)/bin/python -m pytest tests/integration tests/dist/test_torchtitan.py $(PYTEST_ARGS)
+	$(TITAN_VENV)/bin/python -m pytest tests/integration tests/dist/test_torchtitan.py \
+	    tests/dist/test_torchtitan_tiers.py $(PYTEST_ARGS)
 
 # constraints.txt with torch at the floor. No CPU-only wheel of 2.11 is on the index, so this
 # is the CUDA build with its nvidia-* wheels (~4.5 GB venv); it runs on the CPU all the same.

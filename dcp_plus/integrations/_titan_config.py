@@ -136,8 +136,9 @@ class DcpPlusConfig(CheckpointManager.Config):
     memory_tier: bool = False
     """Keep every save's snapshot in ``/dev/shm``, where a restarted trainer of the job finds
     it: resume then restores from memory (survives the trainer's crash or ``kill -9``, not
-    the node's loss). Needs an async ``async_mode`` with the ``thread`` executor; the stager
-    then has two buffers (the newest snapshot stays while the next is taken)."""
+    the node's loss). Needs the ``thread`` executor; the stager then has two buffers (the
+    newest snapshot stays while the next is taken). With ``async_mode="disabled"`` each save
+    returns once its snapshot is kept (and replicated, and persisted when due)."""
 
     durable_every: int = 1
     """With ``memory_tier``: the 1st, (N+1)-th, (2N+1)-th ... save (counted in saves, not
@@ -258,10 +259,6 @@ def _check_tiers(cfg: Any) -> None:
                              "checkpoint.memory_tier=True: without the memory tier every save "
                              "is persisted")
         return
-    if cfg.async_mode == "disabled":
-        raise ValueError("checkpoint.memory_tier=True needs checkpoint.async_mode 'async' or "
-                         "'async_with_pinned_mem' (the snapshot the tier keeps is the "
-                         "ArenaStager's), got 'disabled'")
     if cfg.async_executor != "thread":
         raise ValueError("checkpoint.memory_tier=True needs checkpoint.async_executor='thread' "
                          f"(the tier hands DCP its snapshot), got {cfg.async_executor!r}")

@@ -102,8 +102,9 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
         # one planner for full and model-only (last-step) saves: its cache holds both
         self._planner = self._make_save_planner()
         self.stager: ArenaStager | None = None  # type: ignore[assignment]
-        if self.async_mode != AsyncMode.DISABLED:
+        if self.async_mode != AsyncMode.DISABLED or config.memory_tier:
             # the memory tier keeps the newest snapshot in one buffer while the next is taken
+            # (with async_mode "disabled" too: its snapshot is the stager's, waited for)
             self.stager = ArenaStager(buffers=2 if config.memory_tier else config.stager_buffers,
                                       max_bytes=config.stager_max_bytes,
                                       num_threads=config.stager_threads,
@@ -146,7 +147,7 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
         if config.adaptive_budget is not None:
             self._init_adaptive(config.adaptive_budget, config.adaptive_warmup)
         if config.memory_tier:
-            assert self.stager is not None  # the config refuses async_mode="disabled"
+            assert self.stager is not None  # made above for the memory tier
             self._tiers = TitanTiers(config.tier_options(), self.folder, self.stager,
                                      self._planner, self.pg, self._ctl)
 
@@ -266,6 +267,9 @@ class DcpPlusCheckpointManager(AdaptiveSaves, CheckpointManager):
         if self._tiers is not None:
             started = self._tiers.save(step, states, lambda: self.make_writer(checkpoint_id))
             self.staging_future, self.save_future = started.staged, started.done
+            if self.async_mode == AsyncMode.DISABLED:  # a blocking save, through the tiers
+                started.done.result()
+                self.staging_future = self.save_future = None
             return started.durable
         result = self.dcp_save(states, checkpoint_id=checkpoint_id, async_mode=self.async_mode)
         if isinstance(result, AsyncSaveResponse):

@@ -99,8 +99,6 @@ def test_peer_partner_names_an_importable_partner_function() -> None:
      "checkpoint.ranks_per_node must be >= 1"),
     ({"memory_tier": True, "job_id": "../x"}, "checkpoint.job_id must be 1-64 characters"),
     ({"memory_tier": True, "memory_tier_bytes": 0}, "checkpoint.memory_tier_bytes must be"),
-    ({"memory_tier": True, "async_mode": "disabled"},
-     "checkpoint.memory_tier=True needs checkpoint.async_mode 'async'"),
     ({"memory_tier": True, "async_executor": "process"},
      "checkpoint.memory_tier=True needs checkpoint.async_executor='thread'"),
     ({"memory_tier": True, "peer_partner": "tests.dist._tier_job:mirrored"},
