@@ -98,7 +98,7 @@ def test_a_damaged_replica_is_detected_and_the_job_falls_back_to_durable(tmp_pat
 def test_an_explicit_partner_function_decides_who_holds_each_replica(tmp_path, job):
     base = {"world_size": 4, "ranks_per_node": 2, "root": str(tmp_path / "root"),
             "job_id": job, "out": str(tmp_path / "out"), "mirrored": True}
-    assert _run(tmp_path, {**base, "mode": "train", "until": 5}) == [-9] * 4
+    assert _run(tmp_path, {**base, "mode": "train", "until": 2}) == [-9] * 4
     replicas = sorted((f.owner, f.holder) for f in names.listing(job) if f.kind == "record"
                       and f.owner != f.holder)
     assert replicas == [(0, 3), (1, 2), (2, 1), (3, 0)]  # not rank + ranks_per_node
@@ -107,7 +107,7 @@ def test_an_explicit_partner_function_decides_who_holds_each_replica(tmp_path, j
             names.unlink(f.name)
     assert _run(tmp_path, {**base, "mode": "resume"}) == [0] * 4
     res = _results(tmp_path, 4)
-    assert [r["step"] for r in res] == [5] * 4
+    assert [r["step"] for r in res] == [2] * 4  # step 1 is the durable one
     assert res[0]["tiers"] == ["memory", "peer", "memory", "peer"]
     assert all(r["exact"] for r in res)
 
@@ -120,7 +120,7 @@ def test_when_every_node_lost_its_memory_every_rank_restores_from_its_partner(tm
     then agrees on the durable step."""
     base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
             "job_id": job, "out": str(tmp_path / "out")}
-    assert _run(tmp_path, {**base, "mode": "train", "until": 5}) == [-9] * 2
+    assert _run(tmp_path, {**base, "mode": "train", "until": 2}) == [-9] * 2
     for f in names.listing(job):
         if f.holder == f.owner:
             names.unlink(f.name)
@@ -136,13 +136,13 @@ def test_when_every_node_lost_its_memory_every_rank_restores_from_its_partner(tm
     res = _results(tmp_path, 2)
     assert all(r["exact"] for r in res)
     if damaged is None:
-        assert [r["step"] for r in res] == [5, 5]
+        assert [r["step"] for r in res] == [2, 2]  # step 1 is the durable one
         assert res[0]["tiers"] == ["peer", "peer"]
         # restoring consumed no replica: a second restart restores from them again
         assert _run(tmp_path, {**base, "mode": "resume"}) == [0, 0]
-        assert [r["step"] for r in _results(tmp_path, 2)] == [5, 5]
+        assert [r["step"] for r in _results(tmp_path, 2)] == [2, 2]
     else:
-        assert [r["step"] for r in res] == [4, 4]
+        assert [r["step"] for r in res] == [1, 1]
         assert res[0]["tiers"] == ["durable", "durable"]
 
 
