@@ -47,8 +47,8 @@ api-docs: $(STAMP)
 
 test: lint typecheck api-docs
 	$(PY) -m pytest tests $(PYTEST_ARGS)
-	$(MAKE) test-torchtitan
-	$(MAKE) test-torch-floor
+	# two venvs, two suites, side by side (CI's 25-minute budget on 2 cores)
+	$(MAKE) -j2 --output-sync=target test-torchtitan test-torch-floor
 	$(MAKE) test-install
 
 # TorchTitan needs its own venv: its `datasets` dependency pins an older fsspec than s3fs.

@@ -221,13 +221,24 @@ def test_repeated_saves_leave_threads_fds_workers_and_slabs_flat(tmp_path, slab)
 
     for i in range(3):
         save(sd, tmp_path / f"warm{i}", fsync=False)
-    before = resources()
+    before, fds_before = resources(), _fd_targets()
     for i in range(30):
         save(sd, tmp_path / f"s{i}", fsync=False)
         load(load_target(sd), tmp_path / f"s{i}")
     after = resources()
 
-    assert all(a <= b for a, b in zip(after, before, strict=True)), (before, after)
+    assert all(a <= b for a, b in zip(after, before, strict=True)), \
+        (before, after, _fd_targets() - fds_before)
+
+
+def _fd_targets() -> set[str]:
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # closed meanwhile
+            pass
+    return out
 
 
 def test_relative_checkpoint_path_is_written_where_the_caller_means_after_a_chdir(
