@@ -15,6 +15,7 @@ from dcp_plus.errors import CheckpointNotFoundError, InvalidOptionError
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.storage.direct import DirectIO, direct_io_problem
+from dcp_plus.storage.direct_extents import COPIERS
 from dcp_plus.storage.direct_store import DirectFileStore
 from dcp_plus.storage.fileio import read_regular
 from dcp_plus.storage.urls import is_url
@@ -91,7 +92,8 @@ class LocalReader(ExtentReader):
             super()._read_extents(by_extent, planner)
             return
         self._read_pipelined(partial(store.read_direct, streams=self.threads,
-                                     hashed=self.verify), by_extent, planner)
+                                     hashed=self.verify), by_extent, planner,
+                             threads=self.threads + COPIERS)
 
     def _location(self, name: str) -> str:
         return os.path.join(self.path, name)
