@@ -252,7 +252,7 @@ class ExtentReader(StoreClient, StorageReader):
 
     def _read_pipelined(self, read_extents: ReadExtents,
                         by_extent: dict[MetadataIndex, list[ReadItem]],
-                        planner: LoadPlanner) -> None:
+                        planner: LoadPlanner, threads: int | None = None) -> None:
         # One pipeline over all the objects or files: ranged GETs aligned to range_size run
         # `concurrency` at a time in order (LocalReader's O_DIRECT reads: `threads` at a
         # time); an extent's destination is resolved just before its first request starts,
@@ -274,7 +274,7 @@ class ExtentReader(StoreClient, StorageReader):
             if not e.length:  # nothing to fetch
                 open_extent(k)
                 done(k)
-        with ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-read") as pool:
+        with ThreadPoolExecutor(threads or self.threads, thread_name_prefix="dcpp-read") as pool:
             try:
                 read_extents([(e.file, e.offset, e.length) for e in extents], open_extent,
                              done, pool)

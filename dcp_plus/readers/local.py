@@ -15,6 +15,7 @@ from dcp_plus.errors import CheckpointNotFoundError, InvalidOptionError
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.storage.direct import DirectIO, direct_io_problem
+from dcp_plus.storage.direct_extents import COPIERS
 from dcp_plus.storage.direct_store import DirectFileStore
 from dcp_plus.storage.fileio import read_regular
 from dcp_plus.storage.urls import is_url
@@ -50,8 +51,9 @@ class LocalReader(ExtentReader):
         path: checkpoint directory.
         verify: check every extent's checksum while loading (default on); with direct I/O
             each extent is hashed as its bytes arrive, not in a second pass.
-        threads: parallel read threads (with direct I/O: requests of up to 16 MiB in
-            flight).
+        threads: parallel read threads (with direct I/O: sequential requests of up to
+            16 MiB in flight, and 2 more threads copying out and hashing what came in; the
+            process keeps those requests' bounce buffers for its next load).
         direct_io: read data files with ``O_DIRECT``, bypassing the page cache: straight
             into destination tensors that are 4 KiB-aligned contiguous CPU memory, through
             reused aligned bounce buffers otherwise. A load leaves the checkpoint out of the
@@ -91,7 +93,8 @@ class LocalReader(ExtentReader):
             super()._read_extents(by_extent, planner)
             return
         self._read_pipelined(partial(store.read_direct, streams=self.threads,
-                                     hashed=self.verify), by_extent, planner)
+                                     hashed=self.verify), by_extent, planner,
+                             threads=self.threads + COPIERS)
 
     def _location(self, name: str) -> str:
         return os.path.join(self.path, name)

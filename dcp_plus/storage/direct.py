@@ -66,6 +66,26 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
 
 
+HUGE_PAGE = 2 << 20
+
+
+def transfer_buffer(nbytes: int) -> mmap.mmap:
+    """Zeroed, private anonymous memory of at least ``nbytes`` for O_DIRECT transfers, backed
+    by transparent huge pages where the kernel gives them, faulted in now.
+
+    A device request carries a bounded number of memory segments (254 on virtio-blk): from
+    scattered 4 KiB pages a request tops out near 1 MiB, from 2 MiB pages at the device's
+    largest (4 MiB here). Measured on this VM, 2 GiB read through 16 MiB bounce buffers
+    mapped fresh: 0.6-1.2 MiB requests and 1.6-1.8x the time of the same reads into
+    contiguous memory (3.9 MiB requests)."""
+    size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, size)  # fault in
+    return buf
+
+
 class BufferPool:
     """Reusable aligned buffers of ``size`` bytes; at most ``keep`` idle ones are kept."""
 
@@ -83,8 +103,8 @@ class BufferPool:
         with self._lock:
             buf = self._idle.pop() if self._idle else None
         if buf is None:
-            buf = aligned_buffer(self.size)
-        view = memoryview(buf)
+            buf = transfer_buffer(self.size)
+        view = memoryview(buf)[: self.size]  # the mapping is rounded up to whole huge pages
         try:
             yield view
         finally:

@@ -1,6 +1,6 @@
 """Whole extents read with ``O_DIRECT`` by a few threads, each hashed as its bytes land.
 
-Requests are :func:`~dcp_plus.storage.ranged.plan_requests`' (small neighbours coalesced,
+Requests are :func:`~dcp_plus.storage.ranged.plan_requests`' (neighbours coalesced, whatever their size,
 runs cut at multiples of :data:`PIECE`, so a request starts where an extent or a multiple of
 ``PIECE`` does: 4 KiB-aligned in dcp_plus files). A request that is one piece of one extent whose
 buffer lies 4 KiB-aligned in memory is read straight into the buffer (a last part under 4 KiB
@@ -36,13 +36,18 @@ from dcp_plus.storage.ranged import RangeRequest, plan_requests
 PIECE = 16 << 20
 """The longest request: 4 streams of 16 MiB reach the device's O_DIRECT read rate here."""
 HASH_STEP = 1 << 20
+COPIERS = 2
+"""Requests beyond ``streams`` under way at once: copying out and hashing what they read while
+``streams`` others read. Without them the streams' reads, issued together, end together and
+all wait on their copies (~5 ms in every ~31 ms round of 4 x 16 MiB here, with nothing in
+flight at the device)."""
 GAP = 64 << 10
-"""Small extents at most this far apart are read by one request (the gap into the bounce
-buffer)."""
-OWN_REQUESTS = 1 << 20
-"""Extents this long or longer are never coalesced: their requests may go straight into an
-aligned destination."""
+"""Extents at most this far apart are read by one request (the gap into the bounce buffer)."""
 BOUNCE_BYTES = PIECE + 2 * DIRECT_ALIGN  # a request's aligned span, unaligned ends rounded out
+read_bounce_pool = BufferPool(BOUNCE_BYTES, keep=6)
+"""The process's read bounce buffers, kept between loads (a default load uses 4 + COPIERS =
+6: 108 MiB): buffers mapped and faulted in afresh for every load cost 0.01-0.3 s of a 1 s
+2 GiB load on the dev VM (guest pages the host reclaimed fault in slowly)."""
 
 Done = Callable[[int, "str | None"], None]
 """``done(k, checksum)``: extent ``k`` is in; its content checksum, or None if not hashed."""
@@ -127,18 +132,22 @@ class DirectRead:
         self._refused = refused
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._reading = threading.Semaphore(1)
 
     def run(self, extents: Sequence[tuple[str, int, int]],
             open_extent: Callable[[int], memoryview], done: Done,
             executor: Executor | None = None, *, streams: int = 1, hashed: bool = False) -> None:
         """Read ``extents``: ``open_extent(k)`` just before the first request of ``k`` starts,
         ``done(k, checksum)`` once its last byte is in (``checksum`` only when ``hashed``).
-        Requests run ``streams`` at a time on ``executor`` (on this thread without one).
+        Requests read ``streams`` at a time on ``executor`` (on this thread without one),
+        with :data:`COPIERS` more copying out meanwhile: give ``executor`` ``streams +
+        COPIERS`` threads.
         The first failure stops the requests still to come and is raised
         (:class:`ExtentEOFError` for a file that ends before an extent does). Empty extents
         are neither opened nor done."""
         requests = _plan(extents)
         progress = _Progress(done, hashed)
+        self._reading = threading.Semaphore(streams)
 
         def views(req: RangeRequest) -> list[memoryview | None]:
             return [None if k < 0 else progress.buffer(k, extents[k][2], open_extent)[lo:hi]
@@ -150,7 +159,7 @@ class DirectRead:
                 return
             # a slot covers delivery too: buffers are bounded
             windowed(requests, views, lambda req, bufs: self._request(req, bufs, progress),
-                     executor, streams)
+                     executor, streams + COPIERS)
         finally:
             for fd in self._fds.values():
                 os.close(fd)
@@ -188,7 +197,8 @@ class DirectRead:
                 and req.length >= DIRECT_ALIGN and is_aligned(first)):
             k, lo, hi = req.pieces[0]
             body = req.length - req.length % DIRECT_ALIGN
-            got = pread_upto(fd, first[:body], start)
+            with self._reading:
+                got = pread_upto(fd, first[:body], start)
             if got < body:
                 raise self._eof(req, start + got)
             if body < req.length:
@@ -202,7 +212,8 @@ class DirectRead:
         a = start - start % DIRECT_ALIGN
         b = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
         with self._bounce.take_addressed() as (bounce, at):
-            got = pread_upto(fd, bounce[: b - a], a)
+            with self._reading:
+                got = pread_upto(fd, bounce[: b - a], a)
             if got < end - a:
                 raise self._eof(req, a + got)
             pos = at + start - a
@@ -227,12 +238,10 @@ class DirectRead:
 
 
 def _plan(extents: Sequence[tuple[str, int, int]]) -> list[RangeRequest]:
-    """The requests: small extents coalesced, long ones alone; per file, in file order."""
-    small = [(n, o, ln if ln < OWN_REQUESTS else 0) for n, o, ln in extents]
-    long = [(n, o, ln if ln >= OWN_REQUESTS else 0) for n, o, ln in extents]
-    files = {name: i for i, name in enumerate(dict.fromkeys(n for n, _, _ in extents))}
-    requests = plan_requests(small, GAP, PIECE) + plan_requests(long, -1, PIECE)
-    return sorted(requests, key=lambda r: (files[r.name], r.start))
+    """The requests: per file, in file order, neighbours coalesced and cut at the multiples
+    of :data:`PIECE`, so the device sees long sequential reads whatever the extent sizes (a
+    request of one extent's piece still goes straight into an aligned destination)."""
+    return plan_requests(extents, GAP, PIECE)
 
 
 def _starts(req: RangeRequest) -> list[int]:

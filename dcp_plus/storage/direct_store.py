@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
-from dcp_plus.storage.direct import BufferPool, DirectIO
-from dcp_plus.storage.direct_extents import BOUNCE_BYTES, DirectRead, Done
+from dcp_plus.storage.direct import DirectIO
+from dcp_plus.storage.direct_extents import DirectRead, Done, read_bounce_pool
 from dcp_plus.storage.direct_read import memory_fs, set_direct
 from dcp_plus.storage.fileio import open_regular
 from dcp_plus.storage.localfs import LocalFileStore
@@ -33,7 +33,6 @@ class DirectFileStore(LocalFileStore):
         super().__init__(root)
         self.direct_io = direct_io
         self._direct: bool | None = None if direct_io is not False else False
-        self._bounce = BufferPool(BOUNCE_BYTES)
         self._lock = threading.Lock()
 
     def uses_direct(self, name: str) -> bool:
@@ -88,9 +87,6 @@ class DirectFileStore(LocalFileStore):
                     hashed: bool = False) -> None:
         """:meth:`DirectRead.run <dcp_plus.storage.direct_extents.DirectRead.run>` on this
         store's files (call it after :meth:`uses_direct` said True)."""
-        reader = DirectRead(self._open_direct, self.location, self._bounce, self._refused)
+        reader = DirectRead(self._open_direct, self.location, read_bounce_pool,
+                            self._refused)
         reader.run(extents, open_extent, done, executor, streams=streams, hashed=hashed)
-
-    def close(self) -> None:
-        """Unmap the bounce buffers (reallocated on next use)."""
-        self._bounce.close()

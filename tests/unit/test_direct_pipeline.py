@@ -1,0 +1,119 @@
+"""The O_DIRECT read pipeline (issue 19): requests that coalesce extents of any size and cut
+at multiples of PIECE (sequential device reads), several streams reading while others copy
+out and hash, into aligned and unaligned buffers of odd sizes, with the bounce buffers kept
+by the process; and the transfer buffers those reads (and bounce-buffer writes) use.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.storage.direct import HUGE_PAGE, BufferPool, transfer_buffer
+from dcp_plus.storage.direct_extents import COPIERS, PIECE, _plan, read_bounce_pool
+from dcp_plus.storage.direct_read import DIRECT_ALIGN, address
+from dcp_plus.storage.direct_store import DirectFileStore
+
+MiB = 1 << 20
+SIZES = [0, 1, 4095, 4097, 3 * MiB + 1, 2 * PIECE + 4097, 5, PIECE, 12 * MiB + 7]
+"""Extent lengths, laid out 4 KiB-aligned one after another as a writer does."""
+
+
+def layout(sizes: list[int]) -> list[tuple[int, int]]:
+    out, off = [], 0
+    for n in sizes:
+        out.append((off, n))
+        off += -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+    return out
+
+
+def test_requests_coalesce_extents_of_any_size_and_cut_at_piece_multiples():
+    extents = [("a", off, n) for off, n in layout(SIZES)] + [("b", 0, 3 * MiB)]
+    requests = _plan(extents)
+    assert [r.name for r in requests] == sorted(r.name for r in requests)  # file by file
+    a = [r for r in requests if r.name == "a"]
+    # one sequential run over the whole file: each request starts where the last ended
+    assert all(x.start + x.length == y.start for x, y in zip(a, a[1:], strict=False))
+    assert all(r.length <= PIECE and r.start % PIECE + r.length <= PIECE for r in a)
+    assert all(r.start % PIECE == 0 for r in a[1:])
+    covered = {k: 0 for k in range(len(SIZES))}
+    for r in a:
+        for k, lo, hi in r.pieces:
+            if k >= 0:
+                assert lo == covered[k]
+                covered[k] = hi
+    assert covered == dict(enumerate(SIZES))
+
+
+@pytest.fixture
+def data_file(tmp_path: Path) -> tuple[Path, bytes, list[tuple[int, int]]]:
+    extents = layout(SIZES)
+    data = os.urandom(extents[-1][0] + extents[-1][1])
+    (tmp_path / "f.dcpp").write_bytes(data)
+    return tmp_path, data, extents
+
+
+_KEEP: list[mmap.mmap] = []
+
+
+def buffer(n: int, shift: int) -> memoryview:
+    m = mmap.mmap(-1, n + shift + 1)
+    _KEEP.append(m)
+    return memoryview(m)[shift : shift + n]
+
+
+@pytest.mark.parametrize("shift", [0, 64, 4095])
+@pytest.mark.parametrize("streams", [1, 4])
+def test_streams_with_copiers_fill_every_buffer_bit_exact_with_its_checksum(
+        data_file, shift, streams):
+    root, data, extents = data_file
+    store = DirectFileStore(str(root), direct_io=True)
+    assert store.uses_direct("f.dcpp")
+    bufs = [buffer(n, shift) for _, n in extents]
+    sums: dict[int, str | None] = {}
+    with ThreadPoolExecutor(streams + COPIERS) as pool:
+        store.read_direct([("f.dcpp", off, n) for off, n in extents], lambda k: bufs[k],
+                          sums.__setitem__, pool, streams=streams, hashed=True)
+    for k, (off, n) in enumerate(extents):
+        assert bytes(bufs[k]) == data[off : off + n], k
+        if n:
+            assert sums[k] == checksum_bytes(data[off : off + n])
+    assert set(sums) == {k for k, (_, n) in enumerate(extents) if n}  # empty: never done
+
+
+def test_the_bounce_buffers_outlive_a_store(data_file):
+    root, _, extents = data_file
+    for _ in range(2):
+        store = DirectFileStore(str(root), direct_io=True)
+        assert store.uses_direct("f.dcpp")
+        bufs = [buffer(n, 64) for _, n in extents]
+        store.read_direct([("f.dcpp", off, n) for off, n in extents], bufs.__getitem__,
+                          lambda k, s: None)
+        store.close()
+    with read_bounce_pool.take() as view:
+        assert len(view) == read_bounce_pool.size  # taken from the kept ones, whole size
+
+
+@pytest.mark.parametrize("n", [1, 4096, HUGE_PAGE, HUGE_PAGE + 1, 3 * HUGE_PAGE - 5])
+def test_transfer_buffers_are_zeroed_aligned_and_whole_huge_pages(n):
+    buf = transfer_buffer(n)
+    try:
+        assert len(buf) >= n and len(buf) % HUGE_PAGE == 0
+        assert address(memoryview(buf)) % DIRECT_ALIGN == 0
+        assert buf[:] == bytes(len(buf))
+    finally:
+        buf.close()
+
+
+def test_a_pool_hands_out_views_of_exactly_its_size():
+    pool = BufferPool(3 * DIRECT_ALIGN, keep=1)
+    with pool.take() as a:
+        a[:] = b"x" * len(a)
+    with pool.take() as b:  # the same buffer again, contents stale
+        assert len(b) == 3 * DIRECT_ALIGN
+    pool.close()
