@@ -12,8 +12,14 @@ save  dd            buffered: ``dd if=/dev/zero of=F bs=64M conv=fsync`` of the 
                     fsync, and in 2 streams (2 files)
       O_DIRECT      the write limit: the same bytes with the page cache bypassed, by 1, 2 and
                     4 streams (threads, each writing its own file: a disjoint 4 KiB-aligned
-                    slice, from the page-aligned slab) + fsync of each file; the best of the
-                    three is the O_DIRECT write limit (``dcp_plus.cli.bench.limits``)
+                    slice, from the page-aligned slab: 4 KiB pages) + fsync of each file; and
+                    the same from huge-page buffers: each stream writes every 64 MiB request
+                    from its own reusable transparent-huge-page ring (``ring_buffers``; the
+                    content does not matter to the device, and 8 GiB runs need no second
+                    8 GiB). The best of the six is the O_DIRECT write limit
+                    (``dcp_plus.cli.bench.limits``): a virtio-blk request takes at most 254
+                    memory segments, so from 4 KiB pages requests top out near 1 MiB, from
+                    2 MiB pages at the device's 4 MiB
       dcp_plus      ``dcp.save(sd, storage_writer=LocalWriter(d), no_dist=True)`` (threads=2,
                     and threads=4), in-process threads writing straight from tensor memory
       dcp_plus slab the same state copied once into a registered ``dcp_plus.memory.slabs.Slab``
@@ -31,7 +37,9 @@ load  dd            buffered: ``dd if=F of=/dev/null bs=64M`` over the dcp_plus 
       O_DIRECT      the read limit: the 4 files of the O_DIRECT 4-stream save (not in the
                     page cache: written with O_DIRECT) read with O_DIRECT by 1, 2 and 4
                     streams (disjoint 4 KiB-aligned 64 MiB requests) into a page-aligned,
-                    pre-faulted buffer; the best of the three is the O_DIRECT read limit
+                    pre-faulted buffer (4 KiB pages), and by 1, 2 and 4 streams each reading
+                    every request into its own huge-page ring; the best of the six is the
+                    O_DIRECT read limit
       dcp_plus      ``dcp.load(sd, storage_reader=LocalReader(d), planner=SafeLoadPlanner(),
                     no_dist=True)``, verify on (threads 4 and 2) and off
       stock         ``FileSystemReader(d)`` with the default load planner
@@ -101,6 +109,7 @@ from dcp_plus.cli.bench.limits import (
     direct_read,
     direct_refusal,
     pwrite_files,
+    ring_buffers,
 )
 from dcp_plus.cli.bench.machine import (
     ForeignCpu,
@@ -136,6 +145,8 @@ W_DD = "save: buffered dd zeros conv=fsync"
 W_PWRITE = "save: buffered pwrite 1 stream + fsync"
 W_PWRITE2 = "save: buffered pwrite 2 streams + fsync"
 W_DIRECT = {k: f"save: O_DIRECT pwrite {k} stream{'s' if k > 1 else ''} + fsync" for k in STREAMS}
+W_HUGE = {k: f"save: O_DIRECT pwrite {k} stream{'s' if k > 1 else ''} + fsync, from huge-page "
+             "buffers" for k in STREAMS}
 W_PROTO = "save: prototype O_DIRECT via bounce buffers (threads=2)"
 W_PLUS = "save: dcp_plus LocalWriter (threads=2)"
 W_PLUS4 = "save: dcp_plus LocalWriter (threads=4)"
@@ -149,14 +160,16 @@ STAGE = "stage copy into reused slab"
 R_DD = "load: buffered dd cold read, sequential"
 R_DDPAR = "load: buffered dd cold read, parallel"
 R_DIRECT = {k: f"load: O_DIRECT cold read, {k} stream{'s' if k > 1 else ''}" for k in STREAMS}
+R_HUGE = {k: f"load: O_DIRECT cold read, {k} stream{'s' if k > 1 else ''}, into huge-page "
+             "buffers" for k in STREAMS}
 R_PLUS = "load: dcp_plus LocalReader (verify, threads=4)"
 R_PLUS2 = "load: dcp_plus LocalReader (verify, threads=2)"
 R_NOVERIFY = "load: dcp_plus LocalReader (no verify, threads=4)"
 R_SLAB = "load: dcp_plus LocalReader (verify), slab-written ckpt"
 R_STOCK = "load: stock FileSystemReader"
-ORDER = [W_DD, W_PWRITE, W_PWRITE2, *W_DIRECT.values(), W_PLUS, W_PLUS4, W_PROTO, STAGE_FIRST,
+ORDER = [W_DD, W_PWRITE, W_PWRITE2, *W_DIRECT.values(), *W_HUGE.values(), W_PLUS, W_PLUS4, W_PROTO, STAGE_FIRST,
          STAGE, W_SLAB, W_SLAB_NEW, W_STOCK, W_STOCK2, W_STOCK4, *tc.SAVES, R_DD, R_DDPAR,
-         *R_DIRECT.values(), R_PLUS, R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK, *tc.LOADS]
+         *R_DIRECT.values(), *R_HUGE.values(), R_PLUS, R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK, *tc.LOADS]
 
 
 # ----------------------------------------------------------------------------- timing helpers
@@ -261,9 +274,15 @@ class Bench:
                "iflag=count_bytes", "conv=fsync", "status=none"]
         return self._measure(lambda: subprocess.run(cmd, check=True), leaves=[d])
 
-    def save_pwrite(self, d: str, streams: int = 1, direct: bool = False) -> Sample:
+    def save_pwrite(self, d: str, streams: int = 1, direct: bool = False,
+                    huge: bool = False) -> Sample:
         """The state's bytes (from the warm, page-aligned slab) in ``streams`` files + fsync
-        (``direct``: O_DIRECT, see :func:`dcp_plus.cli.bench.limits.pwrite_files`)."""
+        (``direct``: O_DIRECT, see :func:`dcp_plus.cli.bench.limits.pwrite_files`; ``huge``:
+        as many bytes, O_DIRECT from each stream's huge-page ring)."""
+        if huge:
+            rings = ring_buffers(streams)
+            return self._measure(lambda: pwrite_files(None, self.nbytes, d, streams, True,
+                                                      rings), leaves=[d])
         buf = self.slab.slab.buffer
         try:
             return self._measure(lambda: pwrite_files(buf, self.nbytes, d, streams, direct),
@@ -354,10 +373,14 @@ class Bench:
     def load_dd(self, files: list[str], parallel: bool) -> Sample:
         return self._measure(lambda: dd_read(files, parallel), cold=files)
 
-    def load_direct(self, files: list[str], streams: int) -> Sample:
+    def load_direct(self, files: list[str], streams: int, huge: bool = False) -> Sample:
         """Read ``files`` with O_DIRECT (page cache bypassed) by ``streams`` threads into one
         warm, page-aligned buffer: what the device delivers to memory that is already faulted
-        in (like a live model's tensors)."""
+        in (like a live model's tensors); ``huge``: each stream into its own huge-page ring
+        (what the device delivers at best)."""
+        if huge:
+            rings = ring_buffers(streams)
+            return self._measure(lambda: direct_read(files, streams, None, rings), cold=files)
         need = sum(align_up(os.path.getsize(f)) for f in files)
         buf = self.slab.slab.buffer  # scratch until the next save copies into it
         if len(buf) < need:
@@ -494,6 +517,8 @@ class Bench:
         if not self.refused:
             saves += [(W_DIRECT[k], lambda d, k=k: self.save_pwrite(d, streams=k, direct=True))
                       for k in STREAMS]
+            saves += [(W_HUGE[k], lambda d, k=k: self.save_pwrite(d, k, True, huge=True))
+                      for k in STREAMS]
             saves.append((W_PROTO, self.save_proto_direct))
         if not a.no_variants:
             saves += [
@@ -504,7 +529,7 @@ class Bench:
                                                    self.sd)),
             ]
         keep = {W_PLUS, W_SLAB, W_STOCK, W_DIRECT[max(STREAMS)]}
-        n_loads = 5 + (0 if self.refused else len(STREAMS)) + (0 if a.no_variants else 2)
+        n_loads = 5 + (0 if self.refused else 2 * len(STREAMS)) + (0 if a.no_variants else 2)
         n_tc = 0 if self.tc_missing else len(tc.SAVES) + len(tc.LOADS)
         bar = tqdm(total=a.repeats * (len(saves) + n_loads + n_tc), file=sys.stderr, unit="case",
                    dynamic_ncols=True)
@@ -571,6 +596,8 @@ class Bench:
         if not self.refused:  # the files of the widest O_DIRECT save: not in the page cache
             direct = data_files(kept[W_DIRECT[max(STREAMS)]])
             loads += [(R_DIRECT[k], lambda k=k: self.load_direct(direct, k)) for k in STREAMS]
+            loads += [(R_HUGE[k], lambda k=k: self.load_direct(direct, k, huge=True))
+                      for k in STREAMS]
         if not self.args.no_variants:
             loads += [
                 (R_PLUS2, lambda: self.load_dcp(plus, LocalReader(plus, threads=2),
@@ -620,9 +647,13 @@ class Bench:
             "read_best": min((R_DD, R_DDPAR), key=med),
         }
         if not self.refused:
-            # the page cache bypassed, the best of 1/2/4 streams: what the device takes/gives
-            limits["write_direct"] = min(W_DIRECT.values(), key=med)
-            limits["read_direct"] = min(R_DIRECT.values(), key=med)
+            # the page cache bypassed, the best of 1/2/4 streams from/into 4 KiB pages and
+            # huge pages: what the device takes/gives
+            limits["write_direct"] = min([*W_DIRECT.values(), *W_HUGE.values()], key=med)
+            limits["read_direct"] = min([*R_DIRECT.values(), *R_HUGE.values()], key=med)
+            # the best from/into 4 KiB pages only (the limit before huge-page rows)
+            limits["write_direct_4k"] = min(W_DIRECT.values(), key=med)
+            limits["read_direct_4k"] = min(R_DIRECT.values(), key=med)
 
         def rel(a: str, b: str) -> float | None:
             return med(a) / med(b) if self.samples[a] and self.samples[b] else None
@@ -664,7 +695,8 @@ class Bench:
                     row["x_direct"] = x(name, kind + "_direct")
             rows[name] = row
         if self.refused:
-            for name in [*W_DIRECT.values(), W_PROTO, *R_DIRECT.values()]:
+            for name in [*W_DIRECT.values(), *W_HUGE.values(), W_PROTO, *R_DIRECT.values(),
+                         *R_HUGE.values()]:
                 rows[name] = {"na": f"n/a: {self.refused}"}
         for name, why in self.na.items():
             rows.setdefault(name, {"na": why})
@@ -677,6 +709,8 @@ class Bench:
             "save dcp_plus slab / write limit": x(W_SLAB, "write"),
             "save stock / write limit": x(W_STOCK, "write"),
             "save dcp_plus slab / O_DIRECT write limit": x(W_SLAB, "write_direct"),
+            "save dcp_plus slab / O_DIRECT write limit, 4 KiB pages": x(W_SLAB,
+                                                                         "write_direct_4k"),
             "save dcp_plus slab, new workers / O_DIRECT write limit": x(W_SLAB_NEW,
                                                                          "write_direct"),
             "save stock / dcp_plus": rel(W_STOCK, W_PLUS),
@@ -688,6 +722,8 @@ class Bench:
             "load dcp_plus / read limit, paired": paired(R_PLUS, "read"),
             "load dcp_plus / best buffered read": x(R_PLUS, "read_best"),
             "load dcp_plus / O_DIRECT read limit": x(R_PLUS, "read_direct"),
+            "load dcp_plus / O_DIRECT read limit, 4 KiB pages": x(R_PLUS, "read_direct_4k"),
+            "load dcp_plus no-verify / O_DIRECT read limit": x(R_NOVERIFY, "read_direct"),
             "load dcp_plus no-verify / read limit": x(R_NOVERIFY, "read"),
             "load stock / read limit": x(R_STOCK, "read"),
             "load stock / dcp_plus": rel(R_STOCK, R_PLUS),
@@ -733,7 +769,8 @@ def print_table(res: dict[str, Any]) -> None:
           f"cold cache via {res['cache_drop']}, then {res['settle_s']:g}s settle before each case")
     lim = res["limits"]
     direct = (f"x direct: vs the O_DIRECT limits, the best of {'/'.join(map(str, STREAMS))} "
-              f"streams ({lim['write_direct']!r}, {lim['read_direct']!r})"
+              f"streams from/into 4 KiB and huge pages ({lim['write_direct']!r}, "
+              f"{lim['read_direct']!r})"
               if "write_direct" in lim else f"x direct: n/a ({res['direct_refused']})")
     print(f"x limit: vs the issue's buffered limits ({lim['write']!r}, {lim['read']!r}); x best: "
           f"vs the fastest buffered baseline ({lim['write_best']!r}, {lim['read_best']!r}); "
@@ -761,9 +798,9 @@ def print_table(res: dict[str, Any]) -> None:
             print(f"  {name:<{w}}  {parts}")
     print("\nratios (of medians unless paired):")
     for k, v in res["ratios"].items():
-        print(f"  {k:<42} {'   n/a' if v is None else f'{v:6.2f}'}")
+        print(f"  {k:<56} {'   n/a' if v is None else f'{v:6.2f}'}")
     for k, v in res["targets"].items():
-        print(f"  target {k:<40} {'n/a' if v is None else 'met' if v else 'MISSED'}")
+        print(f"  target {k:<49} {'n/a' if v is None else 'met' if v else 'MISSED'}")
 
 
 def main(argv: list[str] | None = None) -> None:

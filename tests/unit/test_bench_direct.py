@@ -13,12 +13,14 @@ import pytest
 
 from dcp_plus.cli.bench.config import BenchConfig
 from dcp_plus.cli.bench.limits import (
+    CHUNK,
     STREAMS,
     aligned_buffer,
     direct_read,
     direct_refusal,
     pwrite_files,
     read_plan,
+    ring_buffers,
 )
 from dcp_plus.cli.bench.machine import evict_files, fs_type
 from dcp_plus.cli.bench.measure import _Storage, measure_limits
@@ -158,3 +160,19 @@ def test_the_limits_on_ext4_have_every_stream_count(direct_dir):
 
 def _finite(v: object) -> bool:
     return isinstance(v, float) and v > 0
+
+
+@pytest.mark.parametrize("streams", STREAMS)
+def test_the_huge_page_limits_write_and_read_the_byte_count_through_the_rings(direct_dir,
+                                                                             streams):
+    nbytes = 2 * CHUNK + 3 * MiB + 5  # more than one ring's worth per stream at 1 stream
+    rings = ring_buffers(streams)
+    assert len(rings) == streams and all(len(r) == CHUNK for r in rings)
+    assert ring_buffers(streams)[0].obj is rings[0].obj  # kept, not made again
+    files = pwrite_files(None, nbytes, str(direct_dir), streams, True, rings)
+    assert sum(os.path.getsize(f) for f in files) == nbytes
+    assert residency(files).resident == nbytes % 4096  # only the tail page was buffered
+    evict_files(files)
+    assert direct_read(files, streams, None, rings) == nbytes
+    with pytest.raises(ValueError, match="rings of"):
+        direct_read(files, streams, None, rings[:streams - 1] or [rings[0][:4096]])

@@ -9,7 +9,9 @@
 - O_DIRECT write and read (:func:`pwrite_files` with ``direct``, :func:`direct_read`): the
   same bytes with the page cache bypassed, by 1, 2 or 4 streams (:data:`STREAMS`); the best
   of them is what the device takes and gives (the write and read limits of a durable save /
-  cold load). :func:`direct_refusal` says where the file system refuses O_DIRECT.
+  cold load). :func:`direct_refusal` says where the file system refuses O_DIRECT. With
+  ``rings`` (:func:`ring_buffers`) each stream writes from / reads into its own reusable
+  huge-page buffer instead of the state's bytes: the device's best (see there).
 
 Shared by ``benchmarks/save_load.py``, ``benchmarks/staging.py``,
 ``benchmarks/compression.py`` and ``dcp-plus bench``.
@@ -32,6 +34,7 @@ from dcp_plus.cli.bench.machine import fs_type
 from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
 from dcp_plus.storage.direct import aligned_buffer as page_aligned
+from dcp_plus.storage.direct import transfer_buffer
 from dcp_plus.storage.fanout import in_streams
 
 CHUNK = 64 << 20
@@ -75,6 +78,25 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     for at in range(0, len(m), len(zeros)):
         m[at:at + len(zeros)] = zeros[:len(m) - at]
     return m
+
+
+_RINGS: list[mmap.mmap] = []
+
+
+def ring_buffers(streams: int) -> list[memoryview]:
+    """One reusable buffer of :data:`CHUNK` bytes per stream, in transparent huge pages
+    (:func:`dcp_plus.storage.direct.transfer_buffer`), made once per process and kept.
+
+    What the device takes and gives at best: virtio-blk carries at most 254 memory segments
+    per request, so from scattered 4 KiB pages (a ``/dev/shm`` slab, an anonymous buffer) a
+    request tops out near 1 MiB, from 2 MiB pages at the device's 4 MiB. Each stream writes
+    every 64 MiB request of its slice from (and reads every one into) the same ring, so an
+    8 GiB limit needs no second 8 GiB: the content of the bytes does not matter to the device
+    (only their count, offsets and the memory's layout), so the files hold repeats of the
+    ring, not the state."""
+    while len(_RINGS) < streams:
+        _RINGS.append(transfer_buffer(CHUNK))
+    return [memoryview(m)[:CHUNK] for m in _RINGS[:streams]]
 
 
 def direct_refusal(d: str) -> str | None:
@@ -125,14 +147,30 @@ def read_plan(sizes: list[int], streams: int,
     return plan
 
 
-def direct_read(files: list[str], streams: int, into: memoryview) -> int:
+def _piece(buf: memoryview | None, rings: list[memoryview] | None, stream: int, at: int,
+           n: int) -> memoryview:
+    """``n`` bytes at ``at`` of ``buf``, or (``rings``) the first ``n`` of the stream's ring."""
+    if rings is not None:
+        return rings[stream][:n]
+    assert buf is not None, "a buffer or rings"
+    return buf[at:at + n]
+
+
+def direct_read(files: list[str], streams: int, into: memoryview | None,
+                rings: list[memoryview] | None = None) -> int:
     """Read ``files`` with O_DIRECT by ``streams`` threads (:func:`read_plan`) into ``into``
-    (page-aligned, at least the files' 4 KiB-rounded sizes: an :func:`aligned_buffer`).
-    Returns the bytes read; raises if a file came back shorter than its size."""
+    (page-aligned, at least the files' 4 KiB-rounded sizes: an :func:`aligned_buffer`), or,
+    with ``rings`` (:func:`ring_buffers`, one per stream), every request of stream ``s``
+    into ``rings[s]`` over the last. Returns the bytes read; raises if a file came back
+    shorter than its size."""
     sizes = [os.path.getsize(f) for f in files]
     need = sum(align_up(n) for n in sizes)
-    if len(into) < need:
-        raise ValueError(f"direct_read: the buffer holds {len(into)} bytes, the files need "
+    if rings is not None:
+        if len(rings) < streams or min(len(r) for r in rings) < CHUNK:
+            raise ValueError(f"direct_read: {streams} rings of {CHUNK} bytes needed")
+    elif into is None or len(into) < need:
+        have = 0 if into is None else len(into)
+        raise ValueError(f"direct_read: the buffer holds {have} bytes, the files need "
                          f"{need} (4 KiB-rounded)")
     fds: list[int] = []
     plan = read_plan(sizes, streams)
@@ -140,7 +178,7 @@ def direct_read(files: list[str], streams: int, into: memoryview) -> int:
 
     def one(s: int) -> None:
         for k, off, at, n in plan[s]:
-            got[s][k] += os.preadv(fds[k], [into[at:at + n]], off)
+            got[s][k] += os.preadv(fds[k], [_piece(into, rings, s, at, n)], off)
 
     try:
         for f in files:
@@ -155,8 +193,8 @@ def direct_read(files: list[str], streams: int, into: memoryview) -> int:
     return sum(sizes)
 
 
-def pwrite_files(buf: memoryview, nbytes: int, d: str, streams: int = 1,
-                 direct: bool = False) -> list[str]:
+def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
+                 direct: bool = False, rings: list[memoryview] | None = None) -> list[str]:
     """Write ``buf[:nbytes]`` into ``streams`` files ``d/pwrite{i}.bin`` by as many threads
     (stream ``i`` writes file ``i``: a disjoint 4 KiB-aligned slice of the bytes, in 64 MiB
     requests), then ``fsync`` each; returns the files written.
@@ -165,6 +203,10 @@ def pwrite_files(buf: memoryview, nbytes: int, d: str, streams: int = 1,
     cache; the sub-4 KiB tail of the last file goes through a buffered descriptor (one page).
     ``buf`` must then be page-aligned (a slab, an :func:`aligned_buffer`). One file per stream:
     ext4 serialises extending writes to one file, O_DIRECT ones included.
+
+    ``rings`` (:func:`ring_buffers`, one per stream; ``buf`` unused): stream ``i`` writes
+    every request from the start of ``rings[i]``: ``nbytes`` of the device's best, not the
+    state's bytes.
     """
     per = nbytes // streams // BLOCK * BLOCK
     bounds = [(i * per, (i + 1) * per if i < streams - 1 else nbytes) for i in range(streams)]
@@ -179,7 +221,8 @@ def pwrite_files(buf: memoryview, nbytes: int, d: str, streams: int = 1,
             for start, end, f in ((lo, body, dfd), (body, hi, fd)):
                 done = start
                 while done < end:
-                    done += os.pwrite(f, buf[done:min(done + CHUNK, end)], done - lo)
+                    n = min(CHUNK, end - done)
+                    done += os.pwrite(f, _piece(buf, rings, i, done, n), done - lo)
             os.fsync(fd)
         finally:
             if dfd != fd:
