@@ -122,21 +122,24 @@ class _Progress:
 class DirectRead:
     """One read of whole extents ``(file name, offset, length)`` through O_DIRECT descriptors
     of ``open_file(name)``; on a file system that refuses O_DIRECT reads (EINVAL),
-    ``refused(name, error)`` is told and the request is read through the page cache."""
+    ``refused(name, error)`` is told and the request is read through the page cache.
+    At most ``streams`` requests read at a time."""
 
     def __init__(self, open_file: Callable[[str], int], location: Callable[[str], str],
-                 bounce: BufferPool, refused: Callable[[str, OSError], None]) -> None:
+                 bounce: BufferPool, refused: Callable[[str, OSError], None],
+                 streams: int = 1) -> None:
         self._open_file = open_file
         self._location = location
         self._bounce = bounce
         self._refused = refused
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._reading = threading.Semaphore(1)
+        self._streams = streams
+        self._reading = threading.Semaphore(streams)
 
     def run(self, extents: Sequence[tuple[str, int, int]],
             open_extent: Callable[[int], memoryview], done: Done,
-            executor: Executor | None = None, *, streams: int = 1, hashed: bool = False) -> None:
+            executor: Executor | None = None, *, hashed: bool = False) -> None:
         """Read ``extents``: ``open_extent(k)`` just before the first request of ``k`` starts,
         ``done(k, checksum)`` once its last byte is in (``checksum`` only when ``hashed``).
         Requests read ``streams`` at a time on ``executor`` (on this thread without one),
@@ -147,7 +150,6 @@ class DirectRead:
         are neither opened nor done."""
         requests = _plan(extents)
         progress = _Progress(done, hashed)
-        self._reading = threading.Semaphore(streams)
 
         def views(req: RangeRequest) -> list[memoryview | None]:
             return [None if k < 0 else progress.buffer(k, extents[k][2], open_extent)[lo:hi]
@@ -159,7 +161,7 @@ class DirectRead:
                 return
             # a slot covers delivery too: buffers are bounded
             windowed(requests, views, lambda req, bufs: self._request(req, bufs, progress),
-                     executor, streams + COPIERS)
+                     executor, self._streams + COPIERS)
         finally:
             for fd in self._fds.values():
                 os.close(fd)

@@ -88,5 +88,5 @@ class DirectFileStore(LocalFileStore):
         """:meth:`DirectRead.run <dcp_plus.storage.direct_extents.DirectRead.run>` on this
         store's files (call it after :meth:`uses_direct` said True)."""
         reader = DirectRead(self._open_direct, self.location, read_bounce_pool,
-                            self._refused)
-        reader.run(extents, open_extent, done, executor, streams=streams, hashed=hashed)
+                            self._refused, streams)
+        reader.run(extents, open_extent, done, executor, hashed=hashed)

@@ -83,8 +83,9 @@ class _Sends:
     a restore's send may be held back until ``start`` (see :meth:`PeerTier.serve`)."""
 
     def __init__(self, work: list[Any], buffers: object,
-                 later: Callable[[], list[Any]] | None = None) -> None:
-        self.work, self.buffers, self._later = work, buffers, later
+                 later: Callable[[], list[Any]] | None = None,
+                 files: MappedFiles | None = None) -> None:
+        self.work, self.buffers, self._later, self._files = work, buffers, later, files
 
     def start(self) -> None:
         """Post the sends held back, if any."""
@@ -96,15 +97,12 @@ class _Sends:
         self.start()
         for w in self.work:
             w.wait()
-        # Unmapping a served replica costs ~0.07 s per GiB of page tables: let it happen
-        # off the restore's path (the work objects hold the mapped tensors too).
-        _drop_later([self.work, self.buffers])
-        self.work, self.buffers = [], None
-
-
-def _drop_later(refs: list[Any]) -> None:
-    """Drop ``refs`` (the caller's last references) on a short-lived thread."""
-    threading.Thread(target=refs.clear, name="dcpp-peer-unmap", daemon=True).start()
+        refs = [self.work, self.buffers, self._files]
+        self.work, self.buffers, self._files = [], None, None
+        if refs[2] is not None and refs[2].maps_files():
+            # Unmapping a served replica costs ~0.07 s per GiB of page tables: let it
+            # happen off the restore's path (the work objects hold the mapped tensors too).
+            threading.Thread(target=refs.clear, name="dcpp-peer-unmap", daemon=True).start()
 
 
 class PeerTier:
@@ -173,7 +171,7 @@ class PeerTier:
         def data() -> list[Any]:
             return [dist.isend(p, group_dst=dst, group=self.group) for p in parts[1:]
                     if p.numel()]
-        sends = _Sends(work, (header, parts, files), data)
+        sends = _Sends(work, (header, parts), data, files)
         if not hold_data:
             sends.start()
         return [sends]

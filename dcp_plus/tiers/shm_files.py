@@ -66,6 +66,10 @@ class MappedFiles:
         self._open[entry.file] = base
         return base
 
+    def maps_files(self) -> bool:
+        """Whether any file was mapped here (rather than found in this process's slabs)."""
+        return any(m is not None for m, _ in self._open.values())
+
     def bytes_of(self, entry: TensorEntry, source: str) -> torch.Tensor:
         if entry.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
