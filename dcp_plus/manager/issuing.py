@@ -81,7 +81,7 @@ class Issuer:
         durable = self.tiers.next_is_durable()
         assert isinstance(self.stager, ArenaStager)
         state = plain(state)
-        staged = self.stager.stage(state)
+        staged = self.stager.stage(state, checksums=True)  # the tier record needs them
         release: Future[None] = Future()
         self.stager.release_when(release)
         tiers = self.tiers

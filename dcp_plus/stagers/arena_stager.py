@@ -176,12 +176,14 @@ class ArenaStager(AsyncStager):
 
     # -- AsyncStager ----------------------------------------------------------------------
 
-    def stage(self, state_dict: Mapping[str, Any], **_: Any) -> Future[StagedStateDict]:  # type: ignore[override]
+    def stage(self, state_dict: Mapping[str, Any], *, checksums: bool = False,  # type: ignore[override]
+              **_: Any) -> Future[StagedStateDict]:
         """Snapshot ``state_dict``; returns a ``Future`` of the staged dict.
 
         Tensors are captured by reference now and copied in the background; non-tensor values
         are deep-copied now. The live tensors must not change until the future is done: use
-        :meth:`guard` or wait on ``AsyncSaveResponse.staging_completion``.
+        :meth:`guard` or wait on ``AsyncSaveResponse.staging_completion``. ``checksums``: also
+        fill the staged dict's ``digests``, hashing each piece as it is copied.
 
         Raises:
             ClosedError: the stager was closed.
@@ -197,7 +199,7 @@ class ArenaStager(AsyncStager):
         try:
             events = self._engine.mark(devices) if devices else {}
             future: StageFuture[StagedStateDict] = StageFuture()
-            job = Job(captured, events, future, may_skip, executor)
+            job = Job(captured, events, future, may_skip, executor, checksums)
             with self._cond:
                 self._holds.pending += 1
                 self._holds.reading += 1

@@ -19,13 +19,15 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from dcp_plus.stagers.device_copy import Mirror, MirrorPlan, flat_bytes
+from dcp_plus.stagers.hashed_copy import Key, copy_hashed, digests, pieces_of, split_pieces
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 FOREACH_MAX_BYTES = 1 << 20
 """Larger same-device copies go to ``copy_`` (a ``cudaMemcpyAsync`` at copy-engine speed)
@@ -151,16 +153,21 @@ class CopyEngine:
         self,
         pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
         events: dict[int, Any] | None = None,
-    ) -> None:
-        """Copy every ``src`` into its ``dst``; returns when all bytes have landed."""
+        *,
+        hashed: bool = False,
+    ) -> dict[Key, str]:
+        """Copy every ``src`` into its ``dst``; returns when all bytes have landed. With
+        ``hashed``, returns the checksum (:mod:`~dcp_plus.format.piece_digest`) of every
+        destination a CPU byte copy filled, taken in the same pass as the copy."""
         cpu = [(s, d) for s, d in pairs if s.device.type == "cpu"]
         gpu = [(s, d) for s, d in pairs if s.device.type == "cuda"]
         done_events: list[Any] = []
+        sums: dict[Key, str] = {}
         try:
             if gpu:
                 done_events = self._issue_cuda(gpu, events or {})
             if cpu:
-                self._copy_cpu(cpu)
+                sums = self._copy_cpu(cpu, hashed)
         finally:  # also on error: no queued copy may still write a buffer the caller frees
             for ev in done_events:
                 ev.synchronize()
@@ -169,26 +176,37 @@ class CopyEngine:
             for s, d in pairs:
                 if s.device.type not in ("cpu", "cuda"):
                     d.copy_(s)
+        return sums
 
-    def _copy_cpu(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        lanes = split_lanes(pairs, self.num_threads)
-        futures = (
-            [self._pool.submit(_copy_run, run) for run in lanes[1:] if run[0]]
-            if self._pool
-            else []
-        )
+    def _copy_cpu(
+        self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], hashed: bool
+    ) -> dict[Key, str]:
+        if not hashed:
+            self._in_lanes(_copy_run, split_lanes(pairs, self.num_threads))
+            return {}
+        pieces, rest = pieces_of(pairs)
+        if rest:
+            copy_bytes(rest)
+        return digests(self._in_lanes(copy_hashed, split_pieces(pieces, self.num_threads)))
+
+    def _in_lanes(self, run: Callable[[Any], T], lanes: Sequence[Any]) -> list[T]:
+        """``run(lane)`` for every lane: the first on this thread, the others on the pool."""
+        busy = [lane for lane in lanes[1:] if (lane[0] if isinstance(lane, tuple) else lane)]
+        futures = [self._pool.submit(run, lane) for lane in busy] if self._pool else []
+        results: list[T] = []
         err: BaseException | None = None
         try:
-            _copy_run(lanes[0])
+            results.append(run(lanes[0]))
         except BaseException as e:
             err = e
         for f in futures:
             try:
-                f.result()
+                results.append(f.result())
             except BaseException as e:
                 err = err or e
         if err is not None:
             raise err
+        return results
 
     def _issue_cuda(
         self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], events: dict[int, Any]
@@ -239,7 +257,7 @@ class CopyEngine:
                 on_host = torch.cuda.Event(blocking=True)  # waits without spinning a core
                 on_host.record(stream)
             if cpu:
-                self._copy_cpu(cpu)
+                self._copy_cpu(cpu, hashed=False)
             on_device.synchronize()
             released(start.elapsed_time(on_device) / 1e3)
             on_host.synchronize()

@@ -37,6 +37,8 @@ class Job:
     future: StageFuture[StagedStateDict]
     may_skip: bool
     executor: ExecutorKind
+    checksums: bool = False
+    """Checksum each tensor's bytes as they are copied (CPU byte copies)."""
     reading: bool = True
     """The copy may still read the live tensors (``synchronize_staging`` waits for it)."""
 
@@ -93,8 +95,9 @@ class Snapshotter:
             copy, stale, skipped = split_copies(fqns, locals_, views, arena.layout.extents, skip)
             mirror = self._mirror_for(arena)
             device_s: float | None = None
+            digests: dict[tuple[int, int], str] = {}
             if mirror is None:
-                self._engine.copy(copy, job.events)
+                digests = self._engine.copy(copy, job.events, hashed=job.checksums)
             else:
                 device_s = self._copy_through(mirror, arena, buf, fqns, locals_, skip, job)
             if skip:
@@ -108,6 +111,7 @@ class Snapshotter:
                 ),
                 owner=buf.key,
                 on_pickle=functools.partial(self._holds.pickled, buf, buf.generation),
+                digests=digests,
             )
             release = functools.partial(self._holds.release, arena, buf, buf.generation)
             weakref.finalize(staged, release)

@@ -33,18 +33,21 @@ class StagedStateDict(dict):
     """A ``dict`` of staged values; see the module docstring. Valid until its save persists.
 
     ``owner`` names the arena buffer it lives in ("" if none); ``on_pickle``, if given, is
-    called whenever the dict is pickled (it is crossing into another process).
+    called whenever the dict is pickled (it is crossing into another process). ``digests``:
+    the checksums taken during the copy (``stage(..., checksums=True)``), by staged tensor
+    ``(data_ptr, nbytes)``; not pickled.
     """
 
-    __slots__ = ("__weakref__", "on_pickle", "owner")
+    __slots__ = ("__weakref__", "digests", "on_pickle", "owner")
 
     def __init__(
         self, *args: Any, owner: str = "", on_pickle: Callable[[], None] | None = None,
-        **kwargs: Any,
+        digests: dict[tuple[int, int], str] | None = None, **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.owner = owner
         self.on_pickle = on_pickle
+        self.digests = digests or {}
 
     def __reduce__(self) -> tuple[Any, ...]:
         on_pickle = getattr(self, "on_pickle", None)

@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from dcp_plus.errors import CheckpointFormatError, UnsafeValueError
+from dcp_plus.format.piece_digest import EMPTY, digest_of
 from dcp_plus.format.values import byte_view
 from dcp_plus.memory.slabs import SHM_DIR, registry
 from dcp_plus.tiers import names
@@ -31,7 +32,6 @@ from dcp_plus.tiers.values import encode_values
 from dcp_plus.tiers.verify import restore_into
 
 log = logging.getLogger(__name__)
-EMPTY_DIGEST = xxhash.xxh3_64_hexdigest(b"")
 
 
 def span_bytes(t: torch.Tensor) -> int:
@@ -60,14 +60,16 @@ class MemoryTier:
 
     def take(self, step: int, staged: Mapping[str, Any]) -> TierRecord:
         """Record the staged snapshot of ``step`` (already complete in the stager's slabs),
-        then drop older snapshots. Returns its record."""
+        then drop older snapshots. Returns its record. Checksums the stager took while
+        copying (``staged.digests``) are used as they are; other tensors are hashed here."""
         flat = flatten(staged)
+        taken: dict[tuple[int, int], str] = getattr(staged, "digests", {})
         entries = []
         linked: set[str] = set()
         for fqn, t in flat.tensors.items():
             dense = t.is_contiguous()  # the common case: skip the span arithmetic
             nbytes = t.numel() * t.element_size() if dense else span_bytes(t)
-            file, offset, digest = "", 0, EMPTY_DIGEST
+            file, offset, digest = "", 0, EMPTY
             if nbytes:
                 ref = registry.locate(t.data_ptr(), nbytes) if t.device.type == "cpu" else None
                 if ref is None:
@@ -78,7 +80,9 @@ class MemoryTier:
                 if ref.slab not in linked:
                     self._link(ref.slab, file)
                     linked.add(ref.slab)
-                digest = xxhash.xxh3_64_hexdigest(byte_view(t if dense else span_view(t)))
+                found = taken.get((t.data_ptr(), nbytes)) if dense else None
+                digest = found if found is not None else \
+                    digest_of(byte_view(t if dense else span_view(t)))
             dtype = DTYPE_NAMES.get(t.dtype)
             if dtype is None:
                 raise UnsafeValueError(f"memory tier: tensor {fqn!r} has dtype {t.dtype}, "

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus.format.piece_digest import digest_of
 from dcp_plus.format.values import byte_view
 from dcp_plus.tiers.flat import Flat
 from dcp_plus.tiers.record import TensorEntry, TierRecord
@@ -108,7 +108,7 @@ def receive_verified(record: TierRecord, segments: list[Segment], flat: Flat, sr
             for i in m.entries:
                 entry, dest = record.entries[i], dests[i]
                 if direct:
-                    check_digest(xxhash.xxh3_64_hexdigest(byte_view(target)), entry, source)
+                    check_digest(digest_of(byte_view(target)), entry, source)
                 else:
                     at = entry.offset - m.start
                     copy_verified(memory_fill(target[at:at + entry.nbytes]), dest, entry,

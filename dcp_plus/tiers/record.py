@@ -21,7 +21,7 @@ from dcp_plus.format.strict_json import loads_strict
 from dcp_plus.memory.slabs import SHM_DIR
 from dcp_plus.tiers import names
 
-FORMAT = "dcpp-tier/1"
+FORMAT = "dcpp-tier/2"  # /2: checksums of tensors over 16 MiB are hashes of pieces
 MAX_RECORD_BYTES = 256 << 20
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d for d in (
@@ -36,7 +36,7 @@ DTYPE_NAMES = {d: name for name, d in DTYPES.items()}
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor of the snapshot: its bytes are ``nbytes`` at ``offset`` of ``file``
-    (laid out with ``stride``), with xxh3-64 ``checksum`` (hex)."""
+    (laid out with ``stride``), with ``checksum`` (hex, :mod:`~dcp_plus.format.piece_digest`)."""
 
     fqn: str
     dtype: str

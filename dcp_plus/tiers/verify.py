@@ -7,9 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import xxhash
 
 from dcp_plus.errors import CheckpointFormatError, CorruptCheckpointError
+from dcp_plus.format.piece_digest import PieceHasher
 from dcp_plus.format.values import byte_view
 from dcp_plus.tiers.flat import Flat
 from dcp_plus.tiers.record import DTYPES, TensorEntry, TierRecord
@@ -44,7 +44,7 @@ def copy_verified(fill: Fill, dest: torch.Tensor, entry: TensorEntry, source: st
     """Copy ``entry``'s bytes (from ``fill``) into ``dest``, checking their checksum in the
     same pass (chunk by chunk while the chunk is in cache, when ``dest`` is contiguous)."""
     check_layout(entry, dest, source)
-    h = xxhash.xxh3_64()
+    h = PieceHasher()
     if entry.nbytes == 0:
         pass
     elif lands_in_place(entry, dest):

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from dcp_plus.format.piece_digest import PIECE_BYTES
 from dcp_plus.tiers import names
 
 pytestmark = pytest.mark.timeout(300)
@@ -118,8 +119,9 @@ def test_when_every_node_lost_its_memory_every_rank_restores_from_its_partner(tm
     """Each rank serves its partner's replica while it fetches its own (the data of both
     directions flows at once); a damaged replica fails its owner's restore and every rank
     then agrees on the durable step."""
+    # 17 MiB tensors: two checksum pieces each, the damage in the second
     base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
-            "job_id": job, "out": str(tmp_path / "out")}
+            "job_id": job, "out": str(tmp_path / "out"), "big": 17 << 18}
     assert _run(tmp_path, {**base, "mode": "train", "until": 2}) == [-9] * 2
     for f in names.listing(job):
         if f.holder == f.owner:
@@ -128,9 +130,9 @@ def test_when_every_node_lost_its_memory_every_rank_restores_from_its_partner(tm
         (replica,) = [f for f in names.listing(job) if f.kind == "replica" and
                       f.owner == damaged]
         with open(replica.path, "r+b") as fh:
-            fh.seek(4096)
+            fh.seek(PIECE_BYTES + 4096)
             byte = fh.read(1)
-            fh.seek(4096)
+            fh.seek(PIECE_BYTES + 4096)
             fh.write(bytes([byte[0] ^ 0x01]))
     assert _run(tmp_path, {**base, "mode": "resume", "keep": True}) == [0, 0]
     res = _results(tmp_path, 2)

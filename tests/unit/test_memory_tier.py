@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dcp_plus.errors import CheckpointFormatError
+from dcp_plus.format.piece_digest import PIECE_BYTES
 from dcp_plus.manager import CheckpointManager
 from dcp_plus.tiers import names
 from dcp_plus.tiers.record import read
@@ -108,6 +109,28 @@ def test_damaged_snapshot_bytes_are_detected_and_not_loaded(tmp_path, job):
     st = _state(0)
     assert m2.load_latest(st) == 1  # not the damaged step 2: the durable step 1
     assert _equal(st, _state(1))
+    m2.close()
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_tensor_of_several_checksum_pieces_restores_and_a_damaged_piece_is_caught(
+        tmp_path, job, damaged):
+    big = {"big": torch.arange(PIECE_BYTES // 4 + 4096, dtype=torch.float32)}
+    m = CheckpointManager(tmp_path / "r", memory_tier=True, durable_every=2, job_id=job)
+    for s in (1, 2):  # step 2 is in memory only
+        m.save(s, {"m": {"big": big["big"] + s}}).result(timeout=60)
+    (rec,) = [read(f) for f in names.listing(job) if f.kind == "record"]
+    (entry,) = rec.entries
+    if damaged:
+        with open(os.path.join(names.SHM_DIR, entry.file), "r+b") as f:
+            f.seek(entry.offset + PIECE_BYTES + 100)  # in the second piece
+            f.write(b"\xff")
+    m.close(keep_snapshots=True)
+    m2 = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
+    st = {"m": {"big": torch.zeros_like(big["big"])}}
+    assert m2.load_latest(st) == (1 if damaged else 2)
+    assert m2.last_restore.tiers == ["durable" if damaged else "memory"]
+    assert torch.equal(st["m"]["big"], big["big"] + (1 if damaged else 2))
     m2.close()
 
 
