@@ -87,8 +87,8 @@ def copy_hashed(run: Sequence[Piece]) -> list[tuple[Key, int, int]]:
 
 def digests(runs: Iterable[list[tuple[Key, int, int]]]) -> dict[Key, str]:
     """Each destination's checksum from what :func:`copy_hashed` returned for its pieces."""
-    by_key: dict[Key, list[tuple[int, int]]] = {}
+    by_key: dict[Key, dict[int, int]] = {}  # a destination copied twice counts once
     for run in runs:
         for key, index, digest in run:
-            by_key.setdefault(key, []).append((index, digest))
-    return {k: combine([d for _, d in sorted(v)]) for k, v in by_key.items()}
+            by_key.setdefault(key, {})[index] = digest
+    return {k: combine([v[i] for i in sorted(v)]) for k, v in by_key.items()}

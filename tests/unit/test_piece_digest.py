@@ -42,8 +42,10 @@ def test_one_piece_is_plain_xxh3_and_more_are_a_hash_of_the_pieces():
 
 def _live() -> dict:
     g = torch.Generator().manual_seed(3)
+    big = torch.randn(PIECE_BYTES // 2 + 1000, generator=g)  # 2 pieces + a tail: 3
     return {
-        "big": torch.randn(PIECE_BYTES // 2 + 1000, generator=g),  # 2 pieces + a tail: 3
+        "big": big,
+        "tied": big,  # staged twice, into two buffers
         "bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
         "fp8": torch.randn(4097, generator=g).to(torch.float8_e4m3fn),
         "bool": torch.rand(5, generator=g) > 0.5,
@@ -63,11 +65,11 @@ def test_the_stagers_digests_are_the_checksums_of_what_it_staged(threads):
         for k, v in live.items():
             assert torch.equal(staged[k], v.resolve_conj()), k
         digests = staged.digests
-        for k in ("big", "bf16", "fp8", "bool", "byte"):
+        for k in ("big", "tied", "bf16", "fp8", "bool", "byte"):
             t = staged[k]
             assert digests[(t.data_ptr(), t.nbytes)] == digest_of(byte_view(t)), k
         # a strided source or a lazy conjugate is not a byte copy: the tier hashes it itself
-        assert len(digests) == 5
+        assert len(digests) == 6
         assert stager.stage(live).result(timeout=60).digests == {}
         del staged, t  # frees the buffer
     finally:
