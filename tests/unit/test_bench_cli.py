@@ -50,11 +50,13 @@ def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capfd)
     # the O_DIRECT limits: one row per stream count; the best of them is the x direct limit
     lim = res["limits"]
     assert lim["direct_refused"] is None
-    assert [rows[n]["streams"] for n in DIRECT_ROWS] == list(STREAMS)
+    assert [(rows[n]["streams"], rows[n]["huge_pages"]) for n in DIRECT_ROWS] == \
+        [(k, False) for k in STREAMS] + [(k, True) for k in STREAMS]
     for op, col in (("write", "persist_s"), ("read", "load_s")):
         assert lim[f"direct_{op}_s"] == min(rows[n][col] for n in DIRECT_ROWS)
-        assert rows[DIRECT_ROWS[STREAMS.index(lim[f"direct_{op}_streams"])]][col] == \
-            lim[f"direct_{op}_s"]
+        best = rows[lim[f"direct_{op}_row"]]
+        assert best[col] == lim[f"direct_{op}_s"]
+        assert best["streams"] == lim[f"direct_{op}_streams"]
     assert min(rows[n]["x_direct"]["persist"] for n in DIRECT_ROWS) == pytest.approx(1.0)
     assert min(rows[n]["x_direct"]["load"] for n in DIRECT_ROWS) == pytest.approx(1.0)
     assert rows[PLUS]["x_direct"]["persist"] == pytest.approx(

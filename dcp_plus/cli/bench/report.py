@@ -23,12 +23,17 @@ LIMITS = "limits: memcpy shm / buffered pwrite+fsync / buffered cold read"
 LIMITS_URL = "limits: memcpy shm / fsspec pipe / fsspec cat"
 
 
-def direct_row(streams: int) -> str:
-    """The name of the O_DIRECT limit row with ``streams`` streams."""
-    return f"limit: O_DIRECT {streams} stream{'s' if streams > 1 else ''} (write+fsync / cold read)"
+def direct_row(streams: int, ring: bool = False) -> str:
+    """The name of the O_DIRECT limit row with ``streams`` streams, from and into the state's
+    4 KiB pages or (``ring``) a huge-page ring per stream (:func:`~dcp_plus.cli.bench.limits.ring_buffers`)."""
+    via = ", huge-page rings" if ring else ""
+    return f"limit: O_DIRECT {streams} stream{'s' if streams > 1 else ''}{via} " \
+        "(write+fsync / cold read)"
 
 
-DIRECT_ROWS = [direct_row(k) for k in STREAMS]
+DIRECT_VARIANTS = [(k, "") for k in STREAMS] + [(k, "h") for k in STREAMS]
+"""``(streams, key suffix)`` of every O_DIRECT limit: ``"h"`` marks the huge-page rings."""
+DIRECT_ROWS = [direct_row(k, bool(h)) for k, h in DIRECT_VARIANTS]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -117,19 +122,21 @@ def _direct_rows(lim: dict[str, Any], nbytes: int) -> dict[str, dict[str, Any]]:
     of them to ``lim`` as ``direct_write_s`` / ``direct_read_s`` (with their stream counts)."""
     refused = lim.get("direct_refused")
     rows: dict[str, dict[str, Any]] = {}
-    for k, name in zip(STREAMS, DIRECT_ROWS, strict=True):
-        w, r = lim.get(f"direct{k}_write_s"), lim.get(f"direct{k}_read_s")
-        rows[name] = {"kind": "limit", "streams": k, "blocking_ms": None, "staging_s": None,
-                      "persist_s": w, "load_s": r, "save_GBps": _ratio(nbytes / GB, w),
-                      "load_GBps": _ratio(nbytes / GB, r), "x_limit": {}, "x_dcp": {},
-                      "peak_extra_MiB": None}
+    for (k, h), name in zip(DIRECT_VARIANTS, DIRECT_ROWS, strict=True):
+        w, r = lim.get(f"direct{k}{h}_write_s"), lim.get(f"direct{k}{h}_read_s")
+        rows[name] = {"kind": "limit", "streams": k, "huge_pages": bool(h), "blocking_ms": None,
+                      "staging_s": None, "persist_s": w, "load_s": r,
+                      "save_GBps": _ratio(nbytes / GB, w), "load_GBps": _ratio(nbytes / GB, r),
+                      "x_limit": {}, "x_dcp": {}, "peak_extra_MiB": None}
         if refused:
             rows[name]["na"] = f"n/a: {refused}"
     for op in ("write", "read"):
-        got = [(lim[f"direct{k}_{op}_s"], k) for k in STREAMS
-               if lim.get(f"direct{k}_{op}_s") is not None]
+        got = [(lim[f"direct{k}{h}_{op}_s"], k, name)
+               for (k, h), name in zip(DIRECT_VARIANTS, DIRECT_ROWS, strict=True)
+               if lim.get(f"direct{k}{h}_{op}_s") is not None]
         if got:
-            lim[f"direct_{op}_s"], lim[f"direct_{op}_streams"] = min(got)
+            best = min(got)
+            lim[f"direct_{op}_s"], lim[f"direct_{op}_streams"], lim[f"direct_{op}_row"] = best
     for row in rows.values():
         row["x_direct"] = _x_direct(row, lim)
     return rows
@@ -177,9 +184,9 @@ def render(result: dict[str, Any]) -> str:
             f"{_f(r.get('cache_after_load_pct'), '.1f', 5)}")
     lim = result["limits"]
     if lim.get("direct_write_s") is not None:
-        out.append(f"O_DIRECT limits (x direct): write {lim['direct_write_s']:.3f} s with "
-                   f"{lim['direct_write_streams']} stream(s), read {lim['direct_read_s']:.3f} s "
-                   f"with {lim['direct_read_streams']} stream(s)")
+        out.append(f"O_DIRECT limits (x direct, the best row of each): write "
+                   f"{lim['direct_write_s']:.3f} s ({lim['direct_write_row']}), read "
+                   f"{lim['direct_read_s']:.3f} s ({lim['direct_read_row']})")
     methods = sorted({r["cache_method"] for r in result["rows"].values()
                       if r.get("cache_method")})
     if methods:
