@@ -27,7 +27,9 @@ def expected(rank: int, step: int, big: int = 64 * 1024) -> dict[str, Any]:
     # per-rank keys: DCP treats equal keys of plain tensors as one replicated tensor
     model = {"w": torch.randn(64, big // 64, generator=g),
              "h": torch.randn(300, generator=g).to(torch.bfloat16),
-             "t": torch.randn(16, 8, generator=g).t(), "e": torch.empty(0)}
+             "t": torch.randn(16, 8, generator=g).t(), "e": torch.empty(0),
+             # strided and over one message: a peer restore gathers it, then copies it
+             "T": torch.randn(1100, 1024, generator=g).t()}
     return {"model": {f"{k}{rank}": v for k, v in model.items()},
             "extra": {"step": step, f"rng{rank}": io.BytesIO(b"r%d-%d" % (rank, step))}}
 

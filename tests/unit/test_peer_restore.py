@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dcp_plus.tiers.peer_restore import ALONE, messages_of
+from dcp_plus.tiers.peer_restore import ALONE, MESSAGE_BYTES, messages_of
 from dcp_plus.tiers.record import TensorEntry
 
 
@@ -32,3 +32,13 @@ def test_entries_out_of_offset_order_are_covered_by_their_run():
     entries = [_entry("a", 5000, 10), _entry("a", 0, 10)]
     (m,) = messages_of(entries)
     assert (m.start, m.length, m.entries) == (0, 5010, (0, 1))
+
+
+def test_a_large_tensor_travels_in_messages_of_at_most_the_message_size():
+    n = 2 * MESSAGE_BYTES + 5
+    entries = [_entry("a", 0, 10), _entry("a", 4096, n), _entry("a", 4096 + n, 10)]
+    got = [(m.start, m.length, m.entries, m.at) for m in messages_of(entries)]
+    assert got == [(0, 10, (0,), 0), (4096, MESSAGE_BYTES, (1,), 0),
+                   (4096 + MESSAGE_BYTES, MESSAGE_BYTES, (1,), MESSAGE_BYTES),
+                   (4096 + 2 * MESSAGE_BYTES, 5, (1,), 2 * MESSAGE_BYTES),
+                   (4096 + n, 10, (2,), 0)]
