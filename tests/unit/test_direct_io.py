@@ -24,10 +24,12 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from dcp_plus import LocalWriter
 from dcp_plus.cli.bench.machine import evict_files
 from dcp_plus.errors import InvalidOptionError
+from dcp_plus.format.values import byte_view
 from dcp_plus.manager.options import LocalWriterOptions
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.storage.direct import (
     ALIGN,
+    BOUNCE_BYTES,
     DirectFile,
     aligned_buffer,
     clear_probe_cache,
@@ -35,6 +37,7 @@ from dcp_plus.storage.direct import (
     resident_pages,
     use_direct,
 )
+from dcp_plus.writers.bounce import write_segments
 from tests.conftest import (
     DTYPES,
     ROOT,
@@ -311,3 +314,24 @@ def _committed_step(ckpt: Path) -> int:
     probe = {"step": torch.zeros((), dtype=torch.int64)}
     load(probe, ckpt)
     return int(probe["step"])
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_bounce_chunks_assemble_tensor_and_bytes_items_across_chunk_boundaries(tmp_path,
+                                                                              streams):
+    """Tensor memory and read-only bytes, each cut by a bounce-buffer boundary, with gaps of
+    zeros between them and an unaligned end, land in the file as they were placed."""
+    probe_ok(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    big = random_tensor((BOUNCE_BYTES + 12345,), torch.uint8, gen)
+    ro = bytes(random_tensor((9000,), torch.uint8, gen).tolist())
+    size = 2 * BOUNCE_BYTES + 7001
+    segments = [(0, memoryview(ro)), (10_000, byte_view(big)),
+                (2 * BOUNCE_BYTES - 4000, memoryview(ro)), (size - 1, memoryview(b"\x07"))]
+    expected = bytearray(size)
+    for off, data in segments:
+        expected[off:off + len(data)] = data
+    path = tmp_path / "f.bin"
+    path.touch()
+    write_segments(str(path), segments, size, direct=True, streams=streams, fsync=True)
+    assert path.read_bytes() == bytes(expected)
