@@ -1,6 +1,6 @@
 """Direct I/O building blocks (torch-free: writer workers import this).
 
-- :func:`aligned_buffer` and :data:`bounce_pool`: page-aligned anonymous memory for
+- :data:`bounce_pool`: page-aligned memory (:mod:`~dcp_plus.storage.buffers`) for
   ``O_DIRECT`` transfers of data that is not aligned where it lives.
 - :func:`use_direct`: whether a directory's file system takes ``O_DIRECT`` (probed once per
   process and file system; a refusal is logged once and never fails a save).
@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import logging
@@ -20,16 +19,13 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Literal
 
+from dcp_plus.storage.buffers import ALIGN, BufferPool
 from dcp_plus.storage.fileio import pwrite_all
 
 log = logging.getLogger(__name__)
-
-ALIGN = 4096
-"""O_DIRECT alignment of buffer addresses, file offsets and lengths (the logical block size
-of every common device; a file system needing more refuses the probe and gets buffered I/O)."""
 
 DirectIO = bool | Literal["auto"]
 """``True``: O_DIRECT (a refusing file system is warned about and written buffered);
@@ -56,78 +52,6 @@ def check_direct_io(owner: str, value: object) -> DirectIO:
     if problem is not None:
         raise ValueError(f"{owner} direct_io {problem}")
     return value  # type: ignore[return-value]
-
-
-# -- aligned memory -------------------------------------------------------------------------
-
-
-def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """``nbytes`` (rounded up to whole pages) of zeroed, page-aligned anonymous memory."""
-    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
-
-
-HUGE_PAGE = 2 << 20
-
-
-def transfer_buffer(nbytes: int) -> mmap.mmap:
-    """Zeroed, private anonymous memory of at least ``nbytes`` for O_DIRECT transfers, backed
-    by transparent huge pages where the kernel gives them, faulted in now.
-
-    A device request carries a bounded number of memory segments (254 on virtio-blk): from
-    scattered 4 KiB pages a request tops out near 1 MiB, from 2 MiB pages at the device's
-    largest (4 MiB here). Measured on this VM, 2 GiB read through 16 MiB bounce buffers
-    mapped fresh: 0.6-1.2 MiB requests and 1.6-1.8x the time of the same reads into
-    contiguous memory (3.9 MiB requests)."""
-    size = -(-max(nbytes, 1) // HUGE_PAGE) * HUGE_PAGE
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, size)  # fault in
-    return buf
-
-
-class BufferPool:
-    """Reusable aligned buffers of ``size`` bytes; at most ``keep`` idle ones are kept."""
-
-    def __init__(self, size: int, keep: int = 8) -> None:
-        if size % ALIGN:
-            raise ValueError(f"BufferPool size must be a multiple of {ALIGN}, got {size}")
-        self.size = size
-        self.keep = keep
-        self._idle: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def take(self) -> Iterator[memoryview]:
-        """A buffer for the duration of the ``with`` block (its contents are stale)."""
-        with self._lock:
-            buf = self._idle.pop() if self._idle else None
-        if buf is None:
-            buf = transfer_buffer(self.size)
-        view = memoryview(buf)[: self.size]  # the mapping is rounded up to whole huge pages
-        try:
-            yield view
-        finally:
-            view.release()
-            with self._lock:
-                if len(self._idle) < self.keep:
-                    self._idle.append(buf)
-                    buf = None
-            if buf is not None:
-                buf.close()
-
-    @contextlib.contextmanager
-    def take_addressed(self) -> Iterator[tuple[memoryview, int]]:
-        """:meth:`take`, with the buffer's address (for copies made without the GIL)."""
-        with self.take() as view:
-            yield view, ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-    def close(self) -> None:
-        """Unmap the idle buffers (new ones are mapped on next use)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for buf in idle:
-            buf.close()
 
 
 BOUNCE_BYTES = 4 << 20

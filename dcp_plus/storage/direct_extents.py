@@ -19,7 +19,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from dcp_plus.format.checksum import Hasher, format_checksum, new_hasher
-from dcp_plus.storage.direct import BufferPool
+from dcp_plus.storage.buffers import BufferPool
 from dcp_plus.storage.direct_read import (
     DIRECT_ALIGN,
     address,
@@ -46,8 +46,9 @@ GAP = 64 << 10
 BOUNCE_BYTES = PIECE + 2 * DIRECT_ALIGN  # a request's aligned span, unaligned ends rounded out
 read_bounce_pool = BufferPool(BOUNCE_BYTES, keep=6)
 """The process's read bounce buffers, kept between loads (a default load uses 4 + COPIERS =
-6: 108 MiB): buffers mapped and faulted in afresh for every load cost 0.01-0.3 s of a 1 s
-2 GiB load on the dev VM (guest pages the host reclaimed fault in slowly)."""
+6: 108 MiB) and unmapped after a minute unused: buffers mapped and faulted in afresh for
+every load cost 0.01-0.3 s of a 1 s 2 GiB load on the dev VM (guest pages the host reclaimed
+fault in slowly)."""
 
 Done = Callable[[int, "str | None"], None]
 """``done(k, checksum)``: extent ``k`` is in; its content checksum, or None if not hashed."""

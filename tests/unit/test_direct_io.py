@@ -27,11 +27,10 @@ from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.values import byte_view
 from dcp_plus.manager.options import LocalWriterOptions
 from dcp_plus.stagers import ArenaStager
+from dcp_plus.storage.buffers import ALIGN, aligned_buffer
 from dcp_plus.storage.direct import (
-    ALIGN,
     BOUNCE_BYTES,
     DirectFile,
-    aligned_buffer,
     clear_probe_cache,
     direct_refusal,
     resident_pages,

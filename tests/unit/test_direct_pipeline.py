@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.storage.direct import HUGE_PAGE, BufferPool, transfer_buffer
+from dcp_plus.storage.buffers import HUGE_PAGE, BufferPool, transfer_buffer
 from dcp_plus.storage.direct_extents import COPIERS, PIECE, _plan, read_bounce_pool
 from dcp_plus.storage.direct_read import DIRECT_ALIGN, address
 from dcp_plus.storage.direct_store import DirectFileStore
@@ -117,3 +118,22 @@ def test_a_pool_hands_out_views_of_exactly_its_size():
     with pool.take() as b:  # the same buffer again, contents stale
         assert len(b) == 3 * DIRECT_ALIGN
     pool.close()
+
+
+def test_a_pool_unused_for_its_idle_time_unmaps_its_buffers():
+    pool = BufferPool(DIRECT_ALIGN, keep=2, idle_s=None)
+    with pool.take(), pool.take():
+        pass
+    assert pool.idle == 2
+    assert pool.release_idle(older_than=3600) == 0  # used just now: kept
+    assert pool.release_idle() == 2 and pool.idle == 0
+    timed = BufferPool(DIRECT_ALIGN, keep=1, idle_s=0.05)
+    with timed.take():
+        pass
+    deadline = time.monotonic() + 30
+    while timed.idle and time.monotonic() < deadline:  # the pool's timer unmaps it
+        time.sleep(0.01)
+    assert timed.idle == 0
+    with timed.take() as view:  # and a new one is made on the next use
+        assert len(view) == DIRECT_ALIGN
+    timed.close()

@@ -396,7 +396,7 @@ def test_store_read_past_the_end_names_the_extent_cut(data_file):
 
 
 def test_bounce_buffers_are_page_aligned():
-    from dcp_plus.storage.direct import BufferPool
+    from dcp_plus.storage.buffers import BufferPool
 
     pool = BufferPool(3 * 4096)
     with pool.take_addressed() as (a, at), pool.take_addressed() as (b, bt):

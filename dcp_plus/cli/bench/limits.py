@@ -33,8 +33,8 @@ import torch
 from dcp_plus.cli.bench.machine import fs_type
 from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
-from dcp_plus.storage.direct import aligned_buffer as page_aligned
-from dcp_plus.storage.direct import transfer_buffer
+from dcp_plus.storage.buffers import aligned_buffer as page_aligned
+from dcp_plus.storage.buffers import transfer_buffer
 from dcp_plus.storage.fanout import in_streams
 
 CHUNK = 64 << 20
@@ -85,7 +85,7 @@ _RINGS: list[mmap.mmap] = []
 
 def ring_buffers(streams: int) -> list[memoryview]:
     """One reusable buffer of :data:`CHUNK` bytes per stream, in transparent huge pages
-    (:func:`dcp_plus.storage.direct.transfer_buffer`), made once per process and kept.
+    (:func:`dcp_plus.storage.buffers.transfer_buffer`), made once per process and kept.
 
     What the device takes and gives at best: virtio-blk carries at most 254 memory segments
     per request, so from scattered 4 KiB pages (a ``/dev/shm`` slab, an anonymous buffer) a
