@@ -115,46 +115,34 @@ def _local_limits(store: _Storage, buf: memoryview, nbytes: int, d: str,
     out["direct_refused"] = refused = direct_refusal(d)
     if refused is not None:
         return out
-    for k in STREAMS:
-        sub = os.path.join(d, f"direct{k}")
-        os.makedirs(sub)
-        _barrier(world)
-        t = time.perf_counter()
-        files = pwrite_files(buf, nbytes, sub, k, direct=True)
-        out[f"direct{k}_write_s"] = time.perf_counter() - t
-        if k != max(STREAMS):
-            store.remove(sub)
-    for k in STREAMS:
-        store.make_cold(files)
-        _barrier(world)
-        t = time.perf_counter()
-        direct_read(files, k, buf)
-        out[f"direct{k}_read_s"] = time.perf_counter() - t
-    store.remove(sub)
-    out.update(_ring_limits(store, nbytes, d, world))
+    out.update(_direct_limits(store, nbytes, d, world, buf, None, ""))
+    out.update(_direct_limits(store, nbytes, d, world, None, ring_buffers(max(STREAMS)), "h"))
     return out
 
 
-def _ring_limits(store: _Storage, nbytes: int, d: str, world: int) -> dict[str, float]:
-    """The O_DIRECT writes and cold reads again, each stream from and into a huge-page ring
-    (:func:`ring_buffers`): the device's best, which 4 KiB pages can cap (see there)."""
+def _direct_limits(store: _Storage, nbytes: int, d: str, world: int, buf: memoryview | None,
+                   rings: list[memoryview] | None, tag: str) -> dict[str, float]:
+    """O_DIRECT writes with each of :data:`STREAMS` streams, then cold reads of the widest
+    set of files with each, from and into ``buf`` or (``rings``) each stream's huge-page
+    ring (:func:`ring_buffers`: the device's best, which 4 KiB pages can cap); timed as
+    ``direct{k}{tag}_write_s`` / ``_read_s``."""
     out: dict[str, float] = {}
-    rings = ring_buffers(max(STREAMS))
     for k in STREAMS:
-        sub = os.path.join(d, f"direct{k}h")
+        sub = os.path.join(d, f"direct{k}{tag}")
         os.makedirs(sub)
         _barrier(world)
         t = time.perf_counter()
-        files = pwrite_files(None, nbytes, sub, k, direct=True, rings=rings[:k])
-        out[f"direct{k}h_write_s"] = time.perf_counter() - t
+        files = pwrite_files(buf, nbytes, sub, k, direct=True,
+                             rings=None if rings is None else rings[:k])
+        out[f"direct{k}{tag}_write_s"] = time.perf_counter() - t
         if k != max(STREAMS):
             store.remove(sub)
     for k in STREAMS:
         store.make_cold(files)
         _barrier(world)
         t = time.perf_counter()
-        direct_read(files, k, None, rings[:k])
-        out[f"direct{k}h_read_s"] = time.perf_counter() - t
+        direct_read(files, k, buf, None if rings is None else rings[:k])
+        out[f"direct{k}{tag}_read_s"] = time.perf_counter() - t
     store.remove(sub)
     return out
 
