@@ -1,11 +1,11 @@
 """Copies that checksum what they copy (a memory-tier snapshot): each piece of a tensor (see
 :mod:`dcp_plus.format.piece_digest`) is copied and hashed in steps small enough to stay in (L2)
-cache between the two, so the checksum costs no second pass over memory. Both ``memmove``
-(through ctypes) and xxh3 release the GIL, as ``_foreach_copy_`` does."""
+cache between the two, so the checksum costs no second pass over memory. Both the copy
+(:func:`~dcp_plus.storage.direct_read.copy_bytes`) and xxh3 release the GIL, as
+``_foreach_copy_`` does."""
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +14,7 @@ import xxhash
 
 from dcp_plus.format.piece_digest import PIECE_BYTES, combine
 from dcp_plus.format.values import byte_view
+from dcp_plus.storage.direct_read import copy_bytes
 
 STEP = 512 << 10
 """Bytes copied, then hashed, at a time: fits L2 with the source's bytes beside it."""
@@ -73,13 +74,13 @@ def copy_hashed(run: Sequence[Piece]) -> list[tuple[Key, int, int]]:
     out = []
     for p in run:
         if p.nbytes <= STEP:
-            ctypes.memmove(p.dst, p.src, p.nbytes)
+            copy_bytes(p.dst, p.src, p.nbytes)
             out.append((p.key, p.index, xxhash.xxh3_64_intdigest(p.view)))
             continue
         h = xxhash.xxh3_64()
         for at in range(0, p.nbytes, STEP):
             n = min(STEP, p.nbytes - at)
-            ctypes.memmove(p.dst + at, p.src + at, n)
+            copy_bytes(p.dst + at, p.src + at, n)
             h.update(p.view[at:at + n])
         out.append((p.key, p.index, h.intdigest()))
     return out
