@@ -129,6 +129,7 @@ from dcp_plus.cli.bench.pagecache import cached_now, residency
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.layout import align_up
 from dcp_plus.format.values import byte_view
+from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.memory.slabs import Slab, registry
 from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers.local import LocalReader
@@ -249,7 +250,7 @@ class SlabState:
         try:
             self.slab.close()
         except BufferError:  # a view is still alive somewhere: unlink the name anyway
-            os.unlink(os.path.join("/dev/shm", self.slab.name))
+            os.unlink(os.path.join(SHM_DIR, self.slab.name))
             log(f"warning: slab {self.slab.name} still had views; unlinked it")
 
 

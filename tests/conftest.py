@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from dcp_plus.memory.shm import SHM_DIR
 from tools.testkit.exact import assert_bit_exact as assert_bit_exact
 from tools.testkit.ports import free_port as free_port
 
@@ -280,7 +281,7 @@ def registered_slab(size: int) -> Iterator[Any]:
             slab.close()
         except BufferError:  # a failing test's traceback still holds views
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join("/dev/shm", slab.name))
+                os.unlink(os.path.join(SHM_DIR, slab.name))
 
 
 # ---------------------------------------------------------------------------------------------

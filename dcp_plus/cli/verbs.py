@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -15,6 +16,7 @@ from dcp_plus.errors import (
     CorruptCheckpointError,
     DcpPlusError,
 )
+from dcp_plus.memory.shm import SHM_DIR
 
 
 def _human(n: float) -> str:
@@ -176,7 +178,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             state = "DAMAGED" if r["problem"] else "committed"
             print(f"{'kept':<12} {r['name']:<24} {state}{mark}")
         for name in res.get("shm", []):
-            print(f"{verb:<12} /dev/shm/{name}  memory-tier snapshot")
+            print(f"{verb:<12} {os.path.join(SHM_DIR, name)}  memory-tier snapshot")
         if res["held_by"]:
             print(f"note: a job holds this root ({res['held_by']}): gc would refuse now")
         print(f"{len(res['remove'])} {'to remove (dry run)' if res['dry_run'] else 'removed'}, "

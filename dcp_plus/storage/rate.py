@@ -31,7 +31,8 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-SHM_DIR = "/dev/shm"
+from dcp_plus.memory.shm import SHM_DIR
+
 GRANT = 4 << 20
 """The largest share of the budget one write takes at a time (a multiple of 4 KiB, so cut
 ``O_DIRECT`` writes stay aligned): a short save is shaped too."""

@@ -24,11 +24,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.storage.direct import ALIGN, DirectFile
 from dcp_plus.storage.fanout import in_streams
 from dcp_plus.storage.rate import Bucket, RateLimit
 
-SHM_DIR = "/dev/shm"
 # Only alignment padding (< 4 KiB, zeros in a stager slab) is written between extents: a
 # larger gap may hold a tensor this rank does not write, which `verify` would flag as damage.
 COALESCE_GAP = 4095

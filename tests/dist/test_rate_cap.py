@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_plus import LocalReader, LocalWriter, SafeLoadPlanner
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.storage.rate import GRANT
+from dcp_plus.memory.shm import SHM_DIR
 from tools.testkit.exact import assert_bit_exact
 from tools.testkit.world import assert_case_ok, run_world
 
@@ -73,7 +74,7 @@ def _capped(rank: int, path: str, arena: bool) -> dict[str, Any]:
     assert p is not None
     return {"write_s": p.write_s, "wall_s": wall, "data_bytes": p.data_bytes,
             "file_bytes": sum(os.path.getsize(f) for f in _data_files(path, rank)),
-            "buckets_left": [n for n in os.listdir("/dev/shm")
+            "buckets_left": [n for n in os.listdir(SHM_DIR)
                              if n.startswith(f"dcpp-{os.getpid()}-rate-")]}
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
+from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.writers import pool as pool_module
 from tests.conftest import (
     ROOT,
@@ -99,7 +100,7 @@ def test_trainer_killed_while_writing_keeps_last_checkpoint_and_leaves_no_worker
             child.wait()
         _signal_all(workers, signal.SIGCONT)
         stderr.close()
-        for leaked in glob.glob(f"/dev/shm/dcpp-{child.pid}-*"):  # SIGKILL skips cleanup
+        for leaked in glob.glob(f"{SHM_DIR}/dcpp-{child.pid}-*"):  # SIGKILL skips cleanup
             with contextlib.suppress(FileNotFoundError):  # a reaper may be faster
                 os.unlink(leaked)
 

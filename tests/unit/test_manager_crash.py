@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.readers.inspect import verify
 from tests.conftest import ROOT, child_env, pid_alive, record_path, wait_until
 
@@ -64,7 +65,7 @@ def check_storage(root: Path) -> None:
 
 
 def no_slabs_of(pids: list[int]) -> bool:
-    names = [p.name for p in Path("/dev/shm").iterdir()]
+    names = [p.name for p in Path(SHM_DIR).iterdir()]
     return not any(n.startswith(f"dcpp-{pid}-") for pid in pids for n in names)
 
 

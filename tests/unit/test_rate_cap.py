@@ -32,6 +32,7 @@ from dcp_plus import (
     SafeLoadPlanner,
 )
 from dcp_plus.manager.options import LocalWriterOptions, ObjectStoreWriterOptions
+from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.storage.rate import GRANT, RateLimit, shared_bucket, stagger_delay
 from tests.conftest import (
     assert_bit_exact,
@@ -70,7 +71,7 @@ def assert_capped(writer: Any, wall_s: float, nbytes: int, cap: float) -> None:
 
 
 def leftover_buckets() -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"dcpp-{os.getpid()}-rate-")]
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(f"dcpp-{os.getpid()}-rate-")]
 
 
 # -- the bucket -------------------------------------------------------------------------------
@@ -93,13 +94,13 @@ def test_one_bucket_paces_several_processes_together():
     with shared_bucket(rate) as bucket:
         assert bucket is not None
         limit = bucket.limit
-        assert isinstance(limit, RateLimit) and os.path.exists(f"/dev/shm/{limit.name}")
+        assert isinstance(limit, RateLimit) and os.path.exists(f"{SHM_DIR}/{limit.name}")
         children = [subprocess.Popen([sys.executable, "-c", _TAKER, limit.name, str(rate),
                                       str(grants)], stdout=subprocess.PIPE, env=child_env())
                     for _ in range(procs)]
         runs = [json.loads(c.communicate(timeout=60)[0]) for c in children]
     assert all(c.returncode == 0 for c in children)
-    assert not os.path.exists(f"/dev/shm/{limit.name}")
+    assert not os.path.exists(f"{SHM_DIR}/{limit.name}")
     first = min(r["before"] for r in runs)
     last = max(max(r["after"]) for r in runs)
     # shared: the 12th grant starts 11 grant-times after the first (per process: only 3)

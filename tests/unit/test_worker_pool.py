@@ -15,6 +15,7 @@ import torch
 
 from dcp_plus.errors import ClosedError, WorkerError
 from dcp_plus.format.checksum import checksum_bytes
+from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.storage.direct import resident_pages
 from dcp_plus.writers import shutdown_pool
 from dcp_plus.writers.pool import WorkerPool
@@ -217,7 +218,7 @@ def test_repeated_saves_leave_threads_fds_workers_and_slabs_flat(tmp_path, slab)
     def resources() -> tuple[int, int, int, int]:
         gc.collect()
         return (threading.active_count(), len(os.listdir("/proc/self/fd")), len(worker_pids()),
-                sum(n.startswith(shm_prefix) for n in os.listdir("/dev/shm")))
+                sum(n.startswith(shm_prefix) for n in os.listdir(SHM_DIR)))
 
     for i in range(3):
         save(sd, tmp_path / f"warm{i}", fsync=False)
