@@ -129,10 +129,10 @@ from dcp_plus.cli.bench.pagecache import cached_now, residency
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.layout import align_up
 from dcp_plus.format.values import byte_view
-from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.memory.slabs import Slab, registry
 from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers.local import LocalReader
+from dcp_plus.shm import SHM_DIR
 from dcp_plus.storage.fileio import fsync_dir
 from dcp_plus.writers.local import LocalWriter
 from dcp_plus.writers.pool import shared_pool, shutdown_pool

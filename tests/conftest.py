@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 from tools.testkit.exact import assert_bit_exact as assert_bit_exact
 from tools.testkit.ports import free_port as free_port
 

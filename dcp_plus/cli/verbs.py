@@ -16,7 +16,7 @@ from dcp_plus.errors import (
     CorruptCheckpointError,
     DcpPlusError,
 )
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 
 
 def _human(n: float) -> str:

@@ -1,6 +1,6 @@
 """Named shared-memory slabs, and a registry that maps tensor memory back to them.
 
-A slab is one file in ``/dev/shm`` (or ``DCPP_SHM_DIR``: :mod:`dcp_plus.memory.shm`) mapped once. Stagers allocate a few large slabs; writers
+A slab is one file in ``/dev/shm`` (or ``DCPP_SHM_DIR``: :mod:`dcp_plus.shm`) mapped once. Stagers allocate a few large slabs; writers
 look a tensor's address up in the registry and, when it lives in a slab, hand worker
 processes a ``(slab name, offset, length)`` descriptor instead of copying the bytes.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 
 __all__ = ["PREFIX", "SHM_DIR", "Slab", "SlabRef", "SlabRegistry", "registry", "remove_orphans"]
 PREFIX = "dcpp-"

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 
 GRANT = 4 << 20
 """The largest share of the budget one write takes at a time (a multiple of 4 KiB, so cut

@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 from dcp_plus.storage.direct import ALIGN, DirectFile
 from dcp_plus.storage.fanout import in_streams
 from dcp_plus.storage.rate import Bucket, RateLimit

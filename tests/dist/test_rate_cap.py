@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_plus import LocalReader, LocalWriter, SafeLoadPlanner
 from dcp_plus.stagers import ArenaStager
 from dcp_plus.storage.rate import GRANT
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 from tools.testkit.exact import assert_bit_exact
 from tools.testkit.world import assert_case_ok, run_world
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 from dcp_plus.writers import pool as pool_module
 from tests.conftest import (
     ROOT,

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "dcp_plus"
 # sibling on its floor. errors.py, _lazy.py and _gc.py sit below everything, then _compat/ (the
 # private torch names); dcp_plus/__init__.py (the lazy public names) is exempt.
 FLOORS: list[set[str]] = [
-    {"errors", "_lazy", "_gc"},
+    {"errors", "_lazy", "_gc", "shm"},
     {"_compat"},
     {"format"},
     {"storage", "memory"},

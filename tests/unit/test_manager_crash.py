@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from dcp_plus.memory.shm import SHM_DIR
 from dcp_plus.readers.inspect import verify
+from dcp_plus.shm import SHM_DIR
 from tests.conftest import ROOT, child_env, pid_alive, record_path, wait_until
 
 PHASES = ["stage", "persist", "commit", "retention"]

@@ -32,7 +32,7 @@ from dcp_plus import (
     SafeLoadPlanner,
 )
 from dcp_plus.manager.options import LocalWriterOptions, ObjectStoreWriterOptions
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 from dcp_plus.storage.rate import GRANT, RateLimit, shared_bucket, stagger_delay
 from tests.conftest import (
     assert_bit_exact,

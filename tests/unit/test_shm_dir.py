@@ -15,14 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from dcp_plus.memory.shm import ENV, huge_pages
-from dcp_plus.memory.shm import SHM_DIR as DEFAULT_DIR
+from dcp_plus.shm import ENV, huge_pages
+from dcp_plus.shm import SHM_DIR as DEFAULT_DIR
 from tests.conftest import child_env
 
 _JOB = """
 import io, json, os, sys, torch
 from dcp_plus.manager import CheckpointManager
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 root, job, mode = sys.argv[1:4]
 
 def state(step):

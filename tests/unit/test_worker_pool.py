@@ -15,7 +15,7 @@ import torch
 
 from dcp_plus.errors import ClosedError, WorkerError
 from dcp_plus.format.checksum import checksum_bytes
-from dcp_plus.memory.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR
 from dcp_plus.storage.direct import resident_pages
 from dcp_plus.writers import shutdown_pool
 from dcp_plus.writers.pool import WorkerPool
@@ -197,9 +197,11 @@ def test_worker_killed_between_saves_is_replaced_and_the_next_save_succeeds(tmp_
         save(sd, tmp_path / "a")
         victim = worker_pids()[0]
         os.kill(victim, signal.SIGKILL)
-        # a zombie at last: worker_pids() drops an exiting process earlier (its cmdline empties
-        # before it has closed its socket), when the pool could still hand it the next job
-        wait_until(lambda: not pid_alive(victim), 10, f"worker {victim} to die")
+        # waitable at last (as the pool's poll() sees it): a killed process shows as a zombie
+        # while its other threads still exit, and worker_pids() drops it earlier still (its
+        # cmdline empties before it has closed its socket): the pool could hand it a job then
+        wait_until(lambda: os.waitid(os.P_PID, victim, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                   is not None, 10, f"worker {victim} to die")
 
         save(sd, tmp_path / "b")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dcp_plus.memory.shm import SHM_DIR, huge_pages
+from dcp_plus.shm import SHM_DIR, huge_pages
 
 
 def load1() -> float:
