@@ -373,6 +373,40 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``dcp-plus ARGV`` run in this process: its exit status, stdout and stderr (log lines
+    included) as a subprocess would give them, without a new interpreter's 2-3 s of start-up
+    (torch's import). The logging settings the command changes are put back after it.
+    ``tests/unit/test_cli_errors.py`` runs the real command in subprocesses."""
+    import io
+    import logging
+
+    from dcp_plus.cli import logs
+    from dcp_plus.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    root, ours = logging.getLogger(), logging.getLogger("dcp_plus")
+    saved = (root.level, list(root.filters), ours.level, logs._level)
+    handler = logging.StreamHandler(err)
+    handler.setFormatter(logging.Formatter(logs.FORMAT))
+    root.addHandler(handler)  # what basicConfig would add in a process of its own
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(argv))
+            except SystemExit as e:  # argparse's usage errors
+                rc = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved[0])
+        root.filters[:] = saved[1]
+        ours.setLevel(saved[2])
+        logs._level = saved[3]
+    proc = subprocess.CompletedProcess(["dcp-plus", *argv], rc, out.getvalue(), err.getvalue())
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
 # ---------------------------------------------------------------------------------------------
 # Fixtures
 

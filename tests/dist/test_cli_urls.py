@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_plus import NFSWriter, ObjectStoreWriter
 from dcp_plus.manager import CheckpointManager
-from tests.conftest import ROOT, build_state_dict, child_env, flip_byte
+from tests.conftest import ROOT, run_cli, build_state_dict, child_env, flip_byte
 from tools.testkit.ganesha import GaneshaServer
 from tools.testkit.seaweed import BUCKET, SeaweedServer
 
@@ -25,11 +25,7 @@ pytestmark = [pytest.mark.timeout(240),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "dcp_plus", *argv], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=180)
-    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
-    return proc
+run = run_cli  # in this process: no interpreter start-up per call
 
 
 def option_flags(options: dict[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ from dcp_plus.cli.bench.measure import merge_ranks
 from dcp_plus.cli.bench.plot import have_matplotlib
 from dcp_plus.cli.bench.report import DIRECT_ROWS, LIMITS
 from dcp_plus.cli.main import main
+from dcp_plus.shm import SHM_DIR
 
 
 def _finite(v: object) -> bool:
@@ -27,6 +28,7 @@ def test_quick_bench_writes_every_row_with_ratios_json_and_plot(tmp_path, capfd)
                "--saves", "2", "--timeline-steps", "12", "--json", str(out), "--plot", str(png)])
     captured = capfd.readouterr()  # the file descriptors: DCP's PROCESS daemon writes there
     assert rc == 0, captured.err
+    assert f"shared memory: {SHM_DIR} (" in captured.out  # where the slabs are, and their pages
     res = json.loads(out.read_text())
     rows = res["rows"]
     state_mib = res["state"]["bytes"] / 2**20

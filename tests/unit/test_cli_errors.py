@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, child_env, save
+from tests.conftest import ROOT, child_env, run_cli, save
 from tools.testkit.ports import free_port
 
 PLAN = ["--bytes-per-param", "14", "--ranks", "8", "--storage-gbps", "1", "--iteration-s", "1",
@@ -91,7 +91,7 @@ WRONG = [
 @pytest.mark.parametrize("argv,says", WRONG, ids=[" ".join(a) for a, _ in WRONG])
 def test_wrong_input_exits_2_with_one_line_naming_the_problem(places, argv, says):
     args = [a.format(**places) for a in argv]
-    proc = cli(*args, timeout=60)
+    proc = run_cli(*args)  # in this process: ~30 cases, each a 3 s interpreter start-up else
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert lines and says in lines[-1], proc.stderr

@@ -1,4 +1,5 @@
-"""`dcp-plus ls`, `dcp-plus diff` and `--version`, run as the real command in a subprocess."""
+"""`dcp-plus ls`, `dcp-plus diff` and `--version`: in this process (:func:`run`), and as the real
+command in a subprocess (:func:`run_process`)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ import torch
 
 import dcp_plus
 from dcp_plus.manager import CheckpointManager
-from tests.conftest import ROOT, child_env, record_path, save
+from tests.conftest import ROOT, child_env, record_path, run_cli, save
 
 
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
+def run_process(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The real ``dcp-plus`` command, in a subprocess."""
     proc = subprocess.run([sys.executable, "-m", "dcp_plus", *argv], cwd=ROOT, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
+
+
+run = run_cli
 
 
 @pytest.fixture
@@ -36,7 +41,7 @@ def root(tmp_path):
 
 
 def test_ls_lists_committed_uncommitted_and_latest(root):
-    proc = run("ls", str(root), "--json")
+    proc = run_process("ls", str(root), "--json")
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     rows = {r["step"]: r for r in info["checkpoints"]}
@@ -109,5 +114,5 @@ def test_diff_of_something_that_is_no_checkpoint_exits_2(tmp_path):
 
 
 def test_version_and_python_dash_m():
-    proc = run("--version")
+    proc = run_process("--version")
     assert proc.returncode == 0 and proc.stdout.strip() == f"dcp-plus {dcp_plus.__version__}"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from dcp_plus.cli.main import main
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, run_cli
 
 LLAMA = ["plan", "--params", "405B", "--bytes-per-param", "10", "--ranks", "16384",
          "--sharding", "128", "--storage-gbps", "5", "--iteration-s", "5", "--mtbf-h", "3"]
@@ -89,11 +89,7 @@ SMALL = ["plan", "--params", "7B", "--bytes-per-param", "14", "--ranks", "8",
 PERCENT = re.compile(r"(-?\d+\.\d+)%")
 
 
-def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([sys.executable, "-m", "dcp_plus", *argv], cwd=ROOT, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr
-    return proc
+run = run_cli  # in this process: no interpreter start-up per call
 
 
 def run_json(*argv: str) -> dict:

@@ -160,6 +160,11 @@ def render(result: dict[str, Any]) -> str:
            f"{st['tensors']} tensors per rank, {st['bytes'] / 2**20:.0f} MiB over {result['ranks']} "
            f"rank(s); target {cfg['target']} [{result['fs']}]; {cfg['saves']} saves per case "
            f"(medians of saves 2+); load avg {result['load1']['start']:.2f} at start"]
+    mach = result.get("machine", {})
+    if "shm_dir" in mach:  # where the slabs are, and their pages: O_DIRECT follows them
+        huge = mach["shm_huge"]
+        out.append(f"shared memory: {mach['shm_dir']} "
+                   f"({'4 KiB pages' if huge.startswith('no') else 'huge=' + huge})")
     w = max(len(n) for n in result["rows"])
     out.append(f"{'case':<{w}}  {'blocking':>8} {'staging':>7} {'persist':>7} {'load':>6} "
                f"{'save':>5} {'load':>5}  {'x limit':^17}  {'x direct':^11}  {'x DCP':^17}  "
