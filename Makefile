@@ -16,7 +16,7 @@ TORCH_FLOOR := 2.11.0
 FLOOR_VENV  := .venv-torch-floor
 FLOOR_STAMP := $(FLOOR_VENV)/.installed
 
-.PHONY: demo test checks-and-torchtitan api-docs test-torchtitan test-torch-floor test-install nfs-server lint typecheck bench \
+.PHONY: demo test api-docs test-torchtitan test-torch-floor test-install nfs-server lint typecheck bench \
         bench-compression gpu-wheels clean
 
 $(STAMP): pyproject.toml constraints.txt
@@ -45,15 +45,11 @@ typecheck: $(STAMP)
 api-docs: $(STAMP)
 	$(PY) -m tools.api_docs build/api
 
-test: $(STAMP)
+test: lint typecheck api-docs
 	$(PY) -m pytest tests $(PYTEST_ARGS)
-	# side by side (CI's 25-minute budget on 2 cores): lint, types, API docs and the
-	# TorchTitan suite in one lane, the torch-floor suite (the longer) in the other
-	$(MAKE) -j2 --output-sync=target checks-and-torchtitan test-torch-floor
+	# two venvs, two suites, side by side (CI's 25-minute budget on 2 cores)
+	$(MAKE) -j2 --output-sync=target test-torchtitan test-torch-floor
 	$(MAKE) test-install
-
-checks-and-torchtitan: lint typecheck api-docs
-	$(MAKE) test-torchtitan
 
 # TorchTitan needs its own venv: its `datasets` dependency pins an older fsspec than s3fs.
 $(TITAN_STAMP): pyproject.toml constraints-torchtitan.txt
