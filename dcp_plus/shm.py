@@ -31,24 +31,3 @@ def _shm_dir() -> str:
 
 SHM_DIR = _shm_dir()
 
-
-def huge_pages(path: str = SHM_DIR, mounts: str = "/proc/mounts") -> str | None:
-    """The ``huge=`` option of the tmpfs holding ``path`` (``always``, ``within_size``,
-    ``advise``), or None when its files get 4 KiB pages (no option, ``never``, not a tmpfs).
-    ``mounts``: the mount table to read."""
-    best, opt = "", None
-    real = os.path.realpath(path)
-    try:
-        with open(mounts) as f:
-            table = [line.split() for line in f]
-    except OSError:
-        return None
-    for fields in table:
-        if len(fields) < 4:
-            continue
-        mnt = fields[1].replace("\\040", " ")
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best = mnt
-            huge = [o.split("=", 1)[1] for o in fields[3].split(",") if o.startswith("huge=")]
-            opt = huge[0] if fields[2] == "tmpfs" and huge and huge[0] != "never" else None
-    return opt

@@ -134,8 +134,8 @@ class DcpPlusConfig(CheckpointManager.Config):
     """With ``incremental``: the size of the parts tensors are compared by."""
 
     memory_tier: bool = False
-    """Keep every save's snapshot in ``/dev/shm`` (or ``DCPP_SHM_DIR``), where a restarted trainer of the job finds
-    it: resume then restores from memory (survives the trainer's crash or ``kill -9``, not
+    """Keep every save's snapshot in ``/dev/shm`` (or ``DCPP_SHM_DIR``), where a restarted
+    trainer of the job finds it: resume then restores from memory (survives the trainer's crash or ``kill -9``, not
     the node's loss). Needs the ``thread`` executor; the stager then has two buffers (the
     newest snapshot stays while the next is taken). With ``async_mode="disabled"`` each save
     returns once its snapshot is kept (and replicated, and persisted when due)."""

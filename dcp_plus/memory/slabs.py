@@ -1,8 +1,9 @@
 """Named shared-memory slabs, and a registry that maps tensor memory back to them.
 
-A slab is one file in ``/dev/shm`` (or ``DCPP_SHM_DIR``: :mod:`dcp_plus.shm`) mapped once. Stagers allocate a few large slabs; writers
-look a tensor's address up in the registry and, when it lives in a slab, hand worker
-processes a ``(slab name, offset, length)`` descriptor instead of copying the bytes.
+A slab is one file in the shared-memory directory (``/dev/shm``, or ``DCPP_SHM_DIR``: see
+:mod:`dcp_plus.shm`) mapped once. Stagers allocate a few large slabs; writers look a tensor's
+address up in the registry and, when it lives in a slab, hand worker processes a
+``(slab name, offset, length)`` descriptor instead of copying the bytes.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dcp_plus.shm import SHM_DIR
+from dcp_plus.shm import SHM_DIR as SHM_DIR  # re-exported: the tiers read it from here
 
-__all__ = ["PREFIX", "SHM_DIR", "Slab", "SlabRef", "SlabRegistry", "registry", "remove_orphans"]
 PREFIX = "dcpp-"
 
 

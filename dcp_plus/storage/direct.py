@@ -62,20 +62,42 @@ bounce_pool = BufferPool(BOUNCE_BYTES)
 # -- does this file system take O_DIRECT? ---------------------------------------------------
 
 
-def fs_type(path: str) -> str:
-    """The type of the file system holding ``path`` (``/proc/self/mountinfo``), or
-    ``"unknown"``."""
+MOUNTINFO = "/proc/self/mountinfo"
+
+
+def _mount_of(path: str, mountinfo: str = MOUNTINFO) -> tuple[str, list[str]] | None:
+    """The type and super options of the file system holding ``path`` (its mount found by
+    device number in ``mountinfo``), or None."""
     dev = os.stat(path).st_dev
     want = f"{os.major(dev)}:{os.minor(dev)}"
     try:
-        with open("/proc/self/mountinfo") as f:
+        with open(mountinfo) as f:
             for line in f:
                 fields = line.split()
                 if len(fields) > 7 and fields[2] == want and "-" in fields:
-                    return fields[fields.index("-") + 1]
+                    rest = fields[fields.index("-") + 1:]  # type, source, super options
+                    return rest[0], rest[2].split(",") if len(rest) > 2 else []
     except OSError:
         pass
-    return "unknown"
+    return None
+
+
+def fs_type(path: str) -> str:
+    """The type of the file system holding ``path`` (``/proc/self/mountinfo``), or
+    ``"unknown"``."""
+    mount = _mount_of(path)
+    return "unknown" if mount is None else mount[0]
+
+
+def huge_pages(path: str, mountinfo: str = MOUNTINFO) -> str | None:
+    """The ``huge=`` option of the tmpfs holding ``path`` (``always``, ``within_size``,
+    ``advise``): its files get 2 MiB pages (see :mod:`dcp_plus.shm`); None when they get
+    4 KiB ones (no option, ``never``, not a tmpfs)."""
+    mount = _mount_of(path, mountinfo)
+    if mount is None or mount[0] != "tmpfs":
+        return None
+    huge = [o.split("=", 1)[1] for o in mount[1] if o.startswith("huge=")]
+    return huge[0] if huge and huge[0] != "never" else None
 
 
 _probed: dict[int, str | None] = {}

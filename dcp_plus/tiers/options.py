@@ -12,7 +12,8 @@ class TierOptions:
     """Memory and peer tiers of a ``CheckpointManager`` (see ``docs/tiers.md``)."""
 
     memory_tier: bool = False
-    """Keep every snapshot in ``/dev/shm`` (or ``DCPP_SHM_DIR``), where a restarted process of the job finds it."""
+    """Keep every snapshot in ``/dev/shm`` (or ``DCPP_SHM_DIR``), where a restarted process
+    of the job finds it."""
     durable_every: int = 1
     """Persist the 1st, (N+1)-th, (2N+1)-th ... save to the root as well (1: every save)."""
     job_id: str | None = None

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from dcp_plus.shm import ENV, huge_pages
+from dcp_plus.shm import ENV
 from dcp_plus.shm import SHM_DIR as DEFAULT_DIR
+from dcp_plus.storage.direct import huge_pages
 from tests.conftest import child_env
 
 _JOB = """
@@ -86,20 +87,20 @@ def test_a_directory_that_does_not_exist_is_refused_naming_the_variable(tmp_path
     assert f"{ENV}={missing!r}: not a directory" in out.stderr
 
 
-@pytest.mark.parametrize(("line", "want"), [
-    ("tmpfs /mnt/h tmpfs rw,relatime,size=4g,huge=within_size 0 0", "within_size"),
-    ("tmpfs /mnt/h tmpfs rw,relatime,huge=always 0 0", "always"),
-    ("tmpfs /mnt/h tmpfs rw,relatime,huge=never 0 0", None),
-    ("tmpfs /mnt/h tmpfs rw,relatime,size=4g 0 0", None),
-    ("/dev/vda /mnt/h ext4 rw,relatime 0 0", None),
+@pytest.mark.parametrize(("fs", "options", "want"), [
+    ("tmpfs", "rw,size=4194304k,huge=within_size", "within_size"),
+    ("tmpfs", "rw,huge=always", "always"),
+    ("tmpfs", "rw,huge=never", None),
+    ("tmpfs", "rw,size=4194304k", None),
+    ("ext4", "rw,huge=always", None),
 ])
-def test_huge_pages_reads_the_tmpfs_option_of_the_innermost_mount(tmp_path, line, want):
-    mounts = tmp_path / "mounts"
-    mounts.write_text(textwrap.dedent(f"""\
-        /dev/vda / ext4 rw,relatime 0 0
-        tmpfs /mnt tmpfs rw,huge=always 0 0
-        {line}
+def test_huge_pages_reads_the_tmpfs_option_of_the_mount_holding_the_path(tmp_path, fs, options,
+                                                                          want):
+    dev = os.stat(tmp_path).st_dev
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(textwrap.dedent(f"""\
+        22 1 0:999 / /elsewhere rw,relatime shared:1 - tmpfs none rw,huge=always
+        23 1 {os.major(dev)}:{os.minor(dev)} / /here rw,relatime shared:2 - {fs} src {options}
         """))
-    assert huge_pages("/mnt/h/sub", mounts=str(mounts)) == want
-    assert huge_pages("/mnt/other", mounts=str(mounts)) == "always"
-    assert huge_pages("/var/tmp", mounts=str(mounts)) is None
+    assert huge_pages(str(tmp_path), str(mountinfo)) == want
+    assert huge_pages(str(tmp_path), str(tmp_path / "no-such-table")) is None

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from dcp_plus.shm import SHM_DIR, huge_pages
+from dcp_plus.shm import SHM_DIR
+from dcp_plus.storage.direct import huge_pages
 
 
 def load1() -> float:
@@ -138,7 +139,7 @@ def machine() -> dict[str, Any]:
     return {"commit": commit or "?", "cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem / 2**30, 1),
             "kernel": platform.release(), "python": platform.python_version(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "shm_dir": SHM_DIR, "shm_huge": huge_pages(SHM_DIR) or "no (4 KiB pages)"}
+            "shm_dir": SHM_DIR, "shm_huge": huge_pages(SHM_DIR)}  # None: 4 KiB pages
 
 
 def files_under(paths: list[str]) -> list[str]:

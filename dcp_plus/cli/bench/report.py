@@ -164,7 +164,7 @@ def render(result: dict[str, Any]) -> str:
     if "shm_dir" in mach:  # where the slabs are, and their pages: O_DIRECT follows them
         huge = mach["shm_huge"]
         out.append(f"shared memory: {mach['shm_dir']} "
-                   f"({'4 KiB pages' if huge.startswith('no') else 'huge=' + huge})")
+                   f"({'4 KiB pages' if huge is None else 'huge=' + huge})")
     w = max(len(n) for n in result["rows"])
     out.append(f"{'case':<{w}}  {'blocking':>8} {'staging':>7} {'persist':>7} {'load':>6} "
                f"{'save':>5} {'load':>5}  {'x limit':^17}  {'x direct':^11}  {'x DCP':^17}  "
