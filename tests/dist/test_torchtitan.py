@@ -141,8 +141,11 @@ def adaptive(titan: dict[str, Any]) -> dict[str, Any]:
     flags = ["--checkpoint.adaptive_budget", str(ADAPTIVE_P),
              "--checkpoint.adaptive_warmup", str(ADAPTIVE_WARMUP)]
     out: dict[str, Any] = {"root": root}
+    # every persist ends before the next step: the two profiling saves (steps 3 and 4) are
+    # then reported by step 5 however loaded the machine is, which a kill at step 10 needs
     out["D"] = titan_job(root, "D", "dcp_plus_cpu", root / "D", flags,
-                         {"DCPP_TITAN_KILL_AT": str(ADAPTIVE_KILL_AT)})
+                         {"DCPP_TITAN_KILL_AT": str(ADAPTIVE_KILL_AT),
+                          "DCPP_TITAN_SERIAL_SAVES": "1"})
     out["D_committed"] = committed_steps(root / "D" / "checkpoint")
     out["E"] = titan_job(root, "E", "dcp_plus_cpu", root / "D", flags)
     return out
@@ -159,7 +162,7 @@ def test_adaptive_checkpoint_steps_follow_the_policy_on_every_rank(
     assert _saved_steps(root, "D", 0) == _saved_steps(root, "D", 1) == chosen
     # profiling starts after the warm-up iterations; no step-multiple-of-interval saves
     assert chosen[0] == ADAPTIVE_WARMUP + 1
-    assert k_from, "the policy never settled on k within 9 steps"
+    assert k_from and min(k_from) <= ADAPTIVE_WARMUP + 3, k_from  # profiled at steps 3, 4
     tuned_from = min(k_from)
     # replay: from the step k was set, a step is checkpointed iff it is k past the last one
     last = max(s for s in chosen if s < tuned_from)

@@ -18,7 +18,9 @@ Shims (TorchTitan 0.3.0 assumes an accelerator):
   ``$DCPP_TITAN_LOSSES`` on rank 0; ``$DCPP_TITAN_SAVES`` gets each save's blocking time; ``$DCPP_TITAN_KILL_AT=N`` makes every rank SIGKILL itself
   when step N starts (a deterministic ``kill -9`` of the whole job); with
   ``$DCPP_TITAN_KILL_SETTLED=1`` it first waits for the save in flight to complete
-  (``maybe_wait_for_saving()``: its memory record, replica and persist).
+  (``maybe_wait_for_saving()``: its memory record, replica and persist);
+  ``$DCPP_TITAN_SERIAL_SAVES=1`` waits so at the start of every step (each save's persist
+  ends before the next step: what a test needs to be independent of the machine's load).
 Attention (SDPA instead of FlexAttention), SUM reductions and the SPMD backend are set in
 the recipe ``tools.testkit.titan.recipe``.
 """
@@ -105,18 +107,19 @@ def apply_test_hooks() -> None:
     flush_saves = _record_save_times(saves) if saves else lambda: None
     kill_at = int(os.environ.get("DCPP_TITAN_KILL_AT", "0"))
     settled = os.environ.get("DCPP_TITAN_KILL_SETTLED") == "1"
-    if kill_at:
+    serial = os.environ.get("DCPP_TITAN_SERIAL_SAVES") == "1"
+    if kill_at or serial:
         train_step = Trainer.train_step
 
-        def maybe_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+        def step_hooks(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if serial or (settled and self.step == kill_at):
+                self.checkpointer.maybe_wait_for_saving()
             if self.step == kill_at:
-                if settled:
-                    self.checkpointer.maybe_wait_for_saving()
                 flush_saves()  # the record of the last save before the kill
                 os.kill(os.getpid(), signal.SIGKILL)
             return train_step(self, *args, **kwargs)
 
-        Trainer.train_step = maybe_die  # type: ignore[method-assign]
+        Trainer.train_step = step_hooks  # type: ignore[method-assign]
 
 
 def _record_save_times(path: str) -> Callable[[], None]:
