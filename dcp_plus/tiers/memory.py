@@ -111,7 +111,7 @@ class MemoryTier:
         kept = None if keep is None else names.record_name(self.job, self.rank, self.rank,
                                                            keep.step)
         for f in own:
-            if f.kind == "record" and f.name != kept:
+            if f.kind in ("record", "partial") and f.name != kept:
                 names.unlink(f.name)
         used = set() if keep is None else {e.file for e in keep.entries}
         for f in own:

@@ -49,20 +49,28 @@ class TierFile:
     step: int | None
     """The snapshot's step (records and replica data), None for slab links."""
     kind: str
-    """``"record"``, ``"replica"`` (a partner's data) or ``"link"`` (an own slab)."""
+    """``"record"``, ``"replica"`` (a partner's data), ``"link"`` (an own slab) or
+    ``"partial"`` (a record's temporary file: never read, removed with the stale files)."""
 
     @property
     def path(self) -> str:
         return os.path.join(SHM_DIR, self.name)
 
 
+_PARTIAL = re.compile(r"\.(?P<record>dcpp-tier-.+\.json)\.\d{1,10}\.tmp")
+"""A record being written (renamed into place once complete), or left by a process killed
+while writing it: :meth:`TierRecord.write`'s temporary name."""
+
+
 def parse(name: str) -> TierFile | None:
     """The parts of a memory-tier file name, or None for any other name."""
-    m = _NAME.fullmatch(name)
-    if m is None:
+    partial = _PARTIAL.fullmatch(name)
+    m = _NAME.fullmatch(partial["record"] if partial else name)
+    if m is None or (partial and m["ext"] != "json"):
         return None
     step = m["step"]
-    kind = "link" if m["slab"] else "record" if m["ext"] == "json" else "replica"
+    kind = "partial" if partial else "link" if m["slab"] else \
+        "record" if m["ext"] == "json" else "replica"
     return TierFile(name, m["job"], int(m["holder"]), int(m["owner"]),
                     None if step is None else int(step), kind)
 
@@ -97,7 +105,7 @@ def listing(job: str | None = None, holder: int | None = None) -> list[TierFile]
         return []
     out = []
     for n in names:
-        f = parse(n) if n.startswith(PREFIX) else None
+        f = parse(n) if n.startswith((PREFIX, "." + PREFIX)) else None
         if f is not None and (job is None or f.job == job) and (
                 holder is None or f.holder == holder):
             out.append(f)

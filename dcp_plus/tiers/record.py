@@ -149,7 +149,7 @@ def _entry(e: Any, source: str, job: str, holder: int) -> TensorEntry:
     file = _str(e["file"], source, "file")
     parsed = names.parse(file)
     if nbytes and (parsed is None or parsed.job != job or parsed.holder != holder
-                   or parsed.kind == "record"):
+                   or parsed.kind in ("record", "partial")):
         raise _fail(source, f"tensor {fqn!r}: {file!r} is not a data file of this job and rank")
     checksum = _str(e["checksum"], source, "checksum")
     return TensorEntry(fqn, e["dtype"], shape, stride, file, _int(e["offset"], source, "offset"),

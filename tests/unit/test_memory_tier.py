@@ -67,6 +67,23 @@ def test_a_new_manager_restores_the_newest_snapshot_from_memory(tmp_path, job):
     assert names.listing(job) == []
 
 
+def test_a_record_cut_by_a_kill_before_its_rename_is_never_read_and_then_removed(tmp_path,
+                                                                                  job):
+    """A process killed inside ``TierRecord.write`` leaves the record's temporary file: the
+    restart restores the snapshot before it, and its manager removes that file."""
+    m = _saved(tmp_path / "root", job, steps=(1, 2))
+    m.close(keep_snapshots=True)
+    (record,) = [f for f in names.listing(job) if f.kind == "record"]
+    partial = os.path.join(os.path.dirname(record.path),
+                           f".{names.record_name(job, 0, 0, 3)}.999999999.tmp")
+    with open(record.path, "rb") as src, open(partial, "wb") as dst:
+        dst.write(src.read()[:100])  # cut short, as a kill leaves it
+    assert [f.kind for f in names.listing(job) if f.step == 3] == ["partial"]
+    _assert_restores(tmp_path / "root", job, 2, "memory")
+    assert not os.path.exists(partial)
+    assert names.listing(job) == []
+
+
 def test_a_changed_structure_skips_the_memory_tier(tmp_path, job):
     _saved(tmp_path / "r", job).close(keep_snapshots=True)
     m2 = CheckpointManager(tmp_path / "r", memory_tier=True, job_id=job)
