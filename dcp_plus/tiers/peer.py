@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -28,6 +26,7 @@ from dcp_plus.tiers.flat import Flat
 from dcp_plus.tiers.memory import read_records
 from dcp_plus.tiers.peer_restore import Segment, messages_of, receive_verified
 from dcp_plus.tiers.record import TensorEntry, TierRecord, decode
+from dcp_plus.tiers.replica_files import ReplicaFiles
 from dcp_plus.tiers.shm_files import MappedFiles
 
 log = logging.getLogger(__name__)
@@ -65,17 +64,6 @@ def segments_of(entries: list[TensorEntry]) -> list[Segment]:
             lo_hi[0] = min(lo_hi[0], e.offset)
             lo_hi[1] = max(lo_hi[1], e.offset + e.nbytes)
     return [(f, lo, hi - lo) for f, (lo, hi) in spans.items()]
-
-
-def _create(name: str, size: int) -> torch.Tensor:
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, max(size, 1))
-        m = mmap.mmap(fd, max(size, 1))
-    finally:
-        os.close(fd)
-    return torch.frombuffer(m, dtype=torch.uint8, count=size) if size else \
-        torch.empty(0, dtype=torch.uint8)
 
 
 class _Sends:
@@ -120,6 +108,7 @@ class PeerTier:
         """Whose replica this rank holds."""
         self._lock = threading.Lock()
         self._held_back: list[_Sends] = []
+        self._files = ReplicaFiles(job, rank)
 
     # -- replicating ----------------------------------------------------------------------
 
@@ -213,9 +202,8 @@ class PeerTier:
         step = sent.step
         data_name = names.replica_name(self.job, self.rank, src, step)
         names.unlink(names.record_name(self.job, self.rank, src, step))  # a re-sent step
-        names.unlink(data_name)
         try:
-            buf, kept = _create(data_name, data_len), True
+            buf, kept = self._files.open(data_name, data_len, src), True
         except OSError as e:  # still take the bytes, or the stream would be out of step
             log.error("peer tier: cannot keep rank %d's step %d (%d bytes) in %s: %s",
                       src, step, data_len, SHM_DIR, e)
@@ -230,13 +218,8 @@ class PeerTier:
         replica = replace(sent, holder=self.rank, entries=entries)
         with self._lock:
             replica.write()
-            self._prune(src, keep=step)
+            self._files.prune(src, keep=step)
         return replica
-
-    def _prune(self, owner: int, keep: int | None) -> None:
-        for f in names.listing(self.job, self.rank):
-            if f.owner == owner and f.owner != self.rank and f.step != keep:
-                names.unlink(f.name)
 
     # -- recovering -----------------------------------------------------------------------
 
@@ -281,3 +264,4 @@ class PeerTier:
             for f in names.listing(self.job, self.rank):
                 if f.owner != self.rank:
                     names.unlink(f.name)
+            self._files.close()

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dcp_plus.tiers import names
+
 
 def expected(rank: int, step: int, big: int = 64 * 1024) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1000 * rank + step)
@@ -72,8 +74,14 @@ def main(spec_path: str, rank_arg: str) -> None:
             state = expected(rank, 0)
             assert m.load_latest(state) == start - 1
         step = start
+        inodes: dict[int, int] = {}
         while until == 0 or step <= until:
             m.save(step, expected(rank, step, big)).result(timeout=120)
+            if spec.get("inodes"):  # the replica file each step was received into
+                (held,) = [f for f in names.listing(spec["job_id"], rank)
+                           if f.kind == "replica" and f.step == step]
+                inodes[step] = os.stat(held.path).st_ino
+                Path(f"{spec['out']}.{rank}.inodes.json").write_text(json.dumps(inodes))
             step += 1
         os.kill(os.getpid(), signal.SIGKILL)
     state = expected(rank, 0, big)

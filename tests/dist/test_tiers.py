@@ -82,7 +82,8 @@ def test_a_damaged_replica_is_detected_and_the_job_falls_back_to_durable(tmp_pat
     for f in names.listing(job):
         if f.holder in (2, 3):  # node 1 lost its memory ...
             names.unlink(f.name)
-    (replica,) = [f for f in names.listing(job) if f.kind == "replica" and f.owner == 2]
+    (replica,) = [f for f in names.listing(job) if f.kind == "replica" and f.owner == 2
+                  and f.step == 5]
     with open(replica.path, "r+b") as fh:  # ... and rank 2's replica on node 0 is damaged
         fh.seek(1000)
         byte = fh.read(1)
@@ -128,7 +129,7 @@ def test_when_every_node_lost_its_memory_every_rank_restores_from_its_partner(tm
             names.unlink(f.name)
     if damaged is not None:
         (replica,) = [f for f in names.listing(job) if f.kind == "replica" and
-                      f.owner == damaged]
+                      f.owner == damaged and f.step == 2]
         with open(replica.path, "r+b") as fh:
             fh.seek(PIECE_BYTES + 4096)
             byte = fh.read(1)
@@ -163,6 +164,32 @@ def test_a_kill_during_a_save_resumes_from_the_newest_complete_snapshot(tmp_path
     assert all(r["exact"] for r in res)
 
 
+def test_replicas_are_received_into_the_previous_ones_files_and_restore_bit_exact(tmp_path,
+                                                                                   job):
+    """Each holder keeps two replica files and receives every replica into the older one
+    (new pages cost a fault, an allocation and zeroing each); nothing reads the spare."""
+    base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
+            "job_id": job, "out": str(tmp_path / "out"), "big": 1 << 18}
+    assert _run(tmp_path, {**base, "mode": "train", "until": 5, "inodes": True}) == [-9] * 2
+    for r in range(2):
+        ino = {int(k): v for k, v in
+               json.loads((tmp_path / f"out.{r}.inodes.json").read_text()).items()}
+        assert ino[1] != ino[2] and ino[3] == ino[1] and ino[4] == ino[2] and ino[5] == ino[1]
+        held = sorted((f.kind, f.step) for f in names.listing(job, r) if f.owner != r)
+        assert held == [("record", 5), ("replica", 4), ("replica", 5)]
+    for f in names.listing(job):  # every node lost its own memory
+        if f.holder == f.owner:
+            names.unlink(f.name)
+    assert _run(tmp_path, {**base, "mode": "resume", "keep": True}) == [0, 0]
+    res = _results(tmp_path, 2)
+    assert [r["step"] for r in res] == [5, 5]
+    assert res[0]["tiers"] == ["peer", "peer"]
+    assert all(r["exact"] for r in res)
+    # the restarted managers removed the spares: each rank holds its partner's step 5 only
+    assert sorted((f.holder, f.kind, f.step) for f in names.listing(job)) == \
+        [(0, "record", 5), (0, "replica", 5), (1, "record", 5), (1, "replica", 5)]
+
+
 def test_without_snapshots_the_restart_loads_the_durable_checkpoint(tmp_path, job):
     base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
             "job_id": job, "out": str(tmp_path / "out")}
@@ -193,7 +220,10 @@ def test_restarts_leave_no_shared_memory_beyond_the_current_snapshots(tmp_path, 
         # per rank: its own newest record and the replica it holds, nothing more
         assert sorted((f.holder, f.owner) for f in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
         assert {f.step for f in records} == {step}, i
-        stale = [f for f in files if f.kind != "record" and f.step not in (None, step)]
+        # and the replica file of the step before, without a record: the spare each holder
+        # receives its next replica into (the next life's manager removes it)
+        stale = [f for f in files if f.kind != "record" and f.step not in (None, step)
+                 and not (f.kind == "replica" and f.step == step - 1)]
         assert stale == [], i
     assert _run(tmp_path, {**base, "mode": "resume"}) == [0, 0]
     assert [r["step"] for r in _results(tmp_path, 2)] == [step, step]
