@@ -4,17 +4,20 @@
 state of ``--gib`` GiB a rank (64 MiB tensors) ``--saves`` times (default once) with
 ``memory_tier=True`` and, with two ranks or more, ``peer_tier=True`` (the first save is durable
 too, the others not), timing each save from the call to its handle's completion, and ends
-without cleanup, as a crash would. New processes then restore it: ``--restarts`` times from their own memory; with
-the own snapshots removed, as often from the partners' replicas; with every snapshot removed
-and the page cache dropped, once from durable storage (cold). A restore's time is that of
-``load_latest`` on the slower rank (the manager's construction is reported apart).
+without cleanup, as a crash would. New processes then restore it: ``--restarts`` times from
+their own memory; with the own snapshots removed, as often from the partners' replicas; with
+every snapshot removed and the page cache dropped, once from durable storage (cold). A
+restore's time is that of ``load_latest`` on the slower rank (the manager's construction is
+reported apart).
 
 The limits, one thread a rank and every rank at once, as the restores run: a copy of the same
-bytes into pre-faulted tensors (memory), and a gloo exchange of the same bytes between partners,
-both ways at once as the peer restore does (peer). The memory limit with the ranks taking turns
-(one copy at a time on the machine) is reported beside it as ``alone``. Each restarted process measures its tier's limit right before its restore
-(``x_limit_same_restart``: the median over restarts of restore / limit, slower rank each);
-the ``limits`` phase measures both again at the end. Prints one JSON line.
+bytes into pre-faulted tensors (memory), and a gloo exchange of the same bytes between
+partners, both ways at once as the peer restore does (peer); each the best of a few rounds, a
+round as long as its slowest rank. The memory limit with the ranks taking turns (one copy at
+a time on the machine) is reported beside it as ``alone``. Each restarted process measures
+its tier's limit right before its restore (``x_limit_same_restart``: the median over restarts
+of restore / limit, slower rank each; one restore against the best round of its limit); the
+``limits`` phase measures both again at the end. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -79,9 +82,11 @@ def _restore(spec: dict[str, Any], rank: int, phase: str) -> dict[str, Any]:
 
 def _memcpy_s(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], rank: int,
               world: int, alone: bool = False) -> float:
-    """Best of 3 one-thread copies of ``src`` into the pre-faulted ``dst``: every rank at
-    once, as the ranks restore (two copies at once on this VM's two cores take 1.3-1.5x
-    as long as one), or with ``alone`` the ranks one after the other."""
+    """Best of 3 rounds of one-thread copies of ``src`` into the pre-faulted ``dst``: every
+    rank at once, as the ranks restore (two copies at once on this VM's two cores take
+    1.3-1.5x as long as one), a round lasting as long as its slowest copy, as a restore is
+    timed on its slower rank; or with ``alone`` the ranks one after the other, each its own
+    best."""
     import torch.distributed as dist
 
     best = float("inf")
@@ -93,7 +98,10 @@ def _memcpy_s(src: dict[str, torch.Tensor], dst: dict[str, torch.Tensor], rank: 
             t0 = time.perf_counter()
             for k in src:
                 dst[k].copy_(src[k])
-            best = min(best, time.perf_counter() - t0)
+            took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            if not alone:
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            best = min(best, float(took.item()))
     return best
 
 
@@ -136,7 +144,9 @@ def child(spec: dict[str, Any], rank: int, phase: str) -> None:
     if phase == "save":
         m = _manager(spec)
         took = []
+        sd: dict[str, torch.Tensor] = {}
         for step in range(1, spec["saves"] + 1):
+            sd.clear()  # one state at a time in memory
             sd = state(spec["gib"], rank, float(step))
             dist.barrier()
             t0 = time.perf_counter()
@@ -201,6 +211,8 @@ def main() -> None:
                    help="restarts per memory tier (durable storage: one)")
     p.add_argument("--child", nargs=3, metavar=("SPEC", "RANK", "PHASE"))
     a = p.parse_args()
+    if a.saves < 1:
+        p.error(f"--saves must be at least 1, got {a.saves}")
     if a.child:
         child(json.loads(a.child[0]), int(a.child[1]), a.child[2])
         return

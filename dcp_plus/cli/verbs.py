@@ -178,7 +178,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             state = "DAMAGED" if r["problem"] else "committed"
             print(f"{'kept':<12} {r['name']:<24} {state}{mark}")
         for name in res.get("shm", []):
-            print(f"{verb:<12} {os.path.join(SHM_DIR, name)}  memory-tier snapshot")
+            print(f"{verb:<12} {os.path.join(SHM_DIR, name)}  memory-tier file")
         if res["held_by"]:
             print(f"note: a job holds this root ({res['held_by']}): gc would refuse now")
         print(f"{len(res['remove'])} {'to remove (dry run)' if res['dry_run'] else 'removed'}, "

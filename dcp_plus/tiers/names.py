@@ -3,7 +3,9 @@
 Every file of job ``J`` held by rank ``H`` for the snapshot of rank ``R`` starts with
 ``dcpp-tier-J-hH-rR-``: a record ``...-sSTEP.json`` and its data, either hard links to the
 stager's slabs (``...-d-<slab>``, own snapshots) or one replica file (``...-sSTEP.data``, a
-partner's snapshot). The holder is part of the name so that losing a node's memory is losing
+partner's snapshot; the partner also keeps the previous replica's file, without a record, to
+receive the next one into). A record being written is ``.<record name>.<pid>.tmp`` (kind
+``"partial"``). The holder is part of the name so that losing a node's memory is losing
 exactly the files its ranks held.
 """
 

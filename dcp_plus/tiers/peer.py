@@ -203,14 +203,18 @@ class PeerTier:
         data_name = names.replica_name(self.job, self.rank, src, step)
         names.unlink(names.record_name(self.job, self.rank, src, step))  # a re-sent step
         try:
-            buf, kept = self._files.open(data_name, data_len, src), True
+            buf, kept = self._files.take(data_name, data_len, src), True
         except OSError as e:  # still take the bytes, or the stream would be out of step
             log.error("peer tier: cannot keep rank %d's step %d (%d bytes) in %s: %s",
                       src, step, data_len, SHM_DIR, e)
             buf, kept = torch.empty(data_len, dtype=torch.uint8), False
-        base = self._receive_into(src, buf, segments)
+        try:
+            base = self._receive_into(src, buf, segments)
+        finally:
+            if not kept:
+                names.unlink(data_name)
+                self._files.unmap_removed()
         if not kept:
-            names.unlink(data_name)
             return None
         entries = [replace(e, file=data_name if e.nbytes else "",
                            offset=e.offset + base[e.file] if e.nbytes else 0)
@@ -257,6 +261,12 @@ class PeerTier:
         held, self._held_back = self._held_back, []
         for sends in held:
             sends.start()
+
+    def release(self) -> None:
+        """Remove the spare replica files, keep the complete replicas (a closing manager
+        that keeps its snapshots)."""
+        with self._lock:
+            self._files.release()
 
     def remove_all(self) -> None:
         """Remove every replica held here."""

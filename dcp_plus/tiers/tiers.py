@@ -172,7 +172,8 @@ class Tiers:
                 names.unlink(f.name)
 
     def close(self, remove: bool) -> None:
-        """Free the held buffer; with ``remove``, also every snapshot of this rank."""
+        """Free the held buffer and the spare replica files; with ``remove``, also every
+        snapshot of this rank."""
         if self._held is not None and not self._held.done():
             self._held.set_result(None)
         self._held_dict = None
@@ -180,4 +181,6 @@ class Tiers:
             self.memory.remove_all()
             if self.peer is not None:
                 self.peer.remove_all()
+        elif self.peer is not None:
+            self.peer.release()
 

@@ -190,6 +190,19 @@ def test_replicas_are_received_into_the_previous_ones_files_and_restore_bit_exac
         [(0, "record", 5), (0, "replica", 5), (1, "record", 5), (1, "replica", 5)]
 
 
+def test_a_manager_closed_keeping_its_snapshots_removes_its_spare_replica_files(tmp_path,
+                                                                                 job):
+    base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
+            "job_id": job, "out": str(tmp_path / "out")}
+    assert _run(tmp_path, {**base, "mode": "train", "until": 3, "close_keep": True}) == [0, 0]
+    for r in range(2):
+        held = sorted((f.kind, f.step) for f in names.listing(job, r) if f.owner != r)
+        assert held == [("record", 3), ("replica", 3)]  # no spare of step 2
+    assert _run(tmp_path, {**base, "mode": "resume"}) == [0, 0]
+    res = _results(tmp_path, 2)
+    assert [r["step"] for r in res] == [3, 3] and all(r["exact"] for r in res)
+
+
 def test_without_snapshots_the_restart_loads_the_durable_checkpoint(tmp_path, job):
     base = {"world_size": 2, "ranks_per_node": 1, "root": str(tmp_path / "root"),
             "job_id": job, "out": str(tmp_path / "out")}
