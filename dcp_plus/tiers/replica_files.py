@@ -7,7 +7,7 @@ file's pages cost a fault, an allocation and zeroing each as the bytes arrive (o
 also a host fault: memory freed goes back to the host within seconds), and a file mapped
 afresh a fault per 4 KiB page. Measured with ``benchmarks.tiers --gib 1 --saves 6``, saves
 3-6 with the peer tier: 2.3-6.8 s with a new file each time, 1.1-1.4 s reusing the files,
-0.62-0.63 s reusing them and keeping them mapped (one run). A mapping keeps its inode alive,
+0.62-0.82 s reusing them and keeping them mapped. A mapping keeps its inode alive,
 so the inode number cannot name another file while it is kept.
 """
 
