@@ -68,7 +68,7 @@ def parse(name: str) -> TierFile | None:
     """The parts of a memory-tier file name, or None for any other name."""
     partial = _PARTIAL.fullmatch(name)
     m = _NAME.fullmatch(partial["record"] if partial else name)
-    if m is None or (partial and m["ext"] != "json"):
+    if m is None:
         return None
     step = m["step"]
     kind = "partial" if partial else "link" if m["slab"] else \

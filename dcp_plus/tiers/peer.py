@@ -207,13 +207,10 @@ class PeerTier:
         except OSError as e:  # still take the bytes, or the stream would be out of step
             log.error("peer tier: cannot keep rank %d's step %d (%d bytes) in %s: %s",
                       src, step, data_len, SHM_DIR, e)
+            names.unlink(data_name)  # whatever part of it was made
+            self._files.unmap_removed()
             buf, kept = torch.empty(data_len, dtype=torch.uint8), False
-        try:
-            base = self._receive_into(src, buf, segments)
-        finally:
-            if not kept:
-                names.unlink(data_name)
-                self._files.unmap_removed()
+        base = self._receive_into(src, buf, segments)
         if not kept:
             return None
         entries = [replace(e, file=data_name if e.nbytes else "",
@@ -262,16 +259,13 @@ class PeerTier:
         for sends in held:
             sends.start()
 
-    def release(self) -> None:
-        """Remove the spare replica files, keep the complete replicas (a closing manager
-        that keeps its snapshots)."""
-        with self._lock:
-            self._files.release()
-
     def remove_all(self) -> None:
         """Remove every replica held here."""
         with self._lock:
             for f in names.listing(self.job, self.rank):
                 if f.owner != self.rank:
                     names.unlink(f.name)
-            self._files.close()
+
+    def unmap(self) -> None:
+        """Drop this process's mappings of the replica files (a closing manager)."""
+        self._files.close()

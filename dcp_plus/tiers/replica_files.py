@@ -69,35 +69,30 @@ class ReplicaFiles:
     def prune(self, owner: int, keep: int) -> None:
         """Remove ``owner``'s files held here but those of step ``keep``, except the newest
         older replica file, the spare the next replica is received into."""
-        older = [f for f in names.listing(self.job, self.holder)
-                 if f.owner == owner and f.step != keep]
-        data = [f for f in older if f.kind == "replica"]
-        spare = max(data, key=lambda f: f.step or 0) if data else None
+        files = [f for f in names.listing(self.job, self.holder) if f.owner == owner]
+        older = [f for f in files if f.step != keep]
+        spare = max((f for f in older if f.kind == "replica"), key=lambda f: f.step or 0,
+                    default=None)
         for f in sorted(older, key=lambda f: f.kind != "record"):  # records first
             if f != spare:
                 names.unlink(f.name)
-        self.unmap_removed()
-
-    def release(self) -> None:
-        """Remove the spares (replica files no record names) and record files cut short,
-        then unmap every file: what a closing manager leaves is its complete replicas."""
-        files = [f for f in names.listing(self.job, self.holder) if f.owner != self.holder]
-        recorded = {(f.owner, f.step) for f in files if f.kind == "record"}
-        for f in files:
-            if f.kind == "partial" or (f.kind == "replica" and (f.owner, f.step) not in recorded):
-                names.unlink(f.name)
-        self._maps.clear()
+        self._keep_mapped([f for f in files if f.kind == "replica" and f.step == keep] +
+                          ([spare] if spare is not None else []))
 
     def unmap_removed(self) -> None:
         """Unmap the files whose names are gone (their memory is freed once unmapped)."""
+        self._keep_mapped([f for f in names.listing(self.job, self.holder)
+                           if f.kind == "replica"])
+
+    def _keep_mapped(self, files: list[names.TierFile]) -> None:
+        """Keep the mappings of ``files`` only."""
         live: set[tuple[int, int]] = set()
-        for f in names.listing(self.job, self.holder):
-            if f.kind == "replica":
-                try:
-                    st = os.stat(f.path)
-                except FileNotFoundError:
-                    continue
-                live.add((st.st_dev, st.st_ino))
+        for f in files:
+            try:
+                st = os.stat(f.path)
+            except FileNotFoundError:
+                continue
+            live.add((st.st_dev, st.st_ino))
         for key in [k for k in self._maps if k not in live]:
             del self._maps[key]
 

@@ -181,6 +181,8 @@ class Tiers:
             self.memory.remove_all()
             if self.peer is not None:
                 self.peer.remove_all()
-        elif self.peer is not None:
-            self.peer.release()
+        else:  # keep the newest snapshot and replica: no spare file, no older step
+            self.remove_stale()
+        if self.peer is not None:
+            self.peer.unmap()
 
