@@ -35,6 +35,7 @@ from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
 from dcp_plus.storage.buffers import aligned_buffer as page_aligned
 from dcp_plus.storage.buffers import transfer_buffer
+from dcp_plus.storage.direct_read import address, copy_bytes
 from dcp_plus.storage.fanout import in_streams
 
 CHUNK = 64 << 20
@@ -157,17 +158,26 @@ def _piece(buf: memoryview | None, rings: list[memoryview] | None, stream: int, 
 
 
 def direct_read(files: list[str], streams: int, into: memoryview | None,
-                rings: list[memoryview] | None = None) -> int:
+                rings: list[memoryview] | None = None,
+                copy_to: memoryview | None = None) -> int:
     """Read ``files`` with O_DIRECT by ``streams`` threads (:func:`read_plan`) into ``into``
     (page-aligned, at least the files' 4 KiB-rounded sizes: an :func:`aligned_buffer`), or,
     with ``rings`` (:func:`ring_buffers`, one per stream), every request of stream ``s``
     into ``rings[s]`` over the last. Returns the bytes read; raises if a file came back
-    shorter than its size."""
+    shorter than its size.
+
+    ``copy_to`` (with ``rings``; writable, any alignment): each request is then copied out of
+    its ring to its place there, as a load into memory O_DIRECT cannot target (torch's CPU
+    tensors: 64-byte aligned) must; its place modulo ``len(copy_to)`` when that is less than
+    the files' 4 KiB-rounded sizes (every byte is still copied once)."""
     sizes = [os.path.getsize(f) for f in files]
     need = sum(align_up(n) for n in sizes)
     if rings is not None:
         if len(rings) < streams or min(len(r) for r in rings) < CHUNK:
             raise ValueError(f"direct_read: {streams} rings of {CHUNK} bytes needed")
+        if copy_to is not None and len(copy_to) < CHUNK:
+            raise ValueError(f"direct_read: copy_to holds {len(copy_to)} bytes, less than "
+                             f"one request ({CHUNK})")
     elif into is None or len(into) < need:
         have = 0 if into is None else len(into)
         raise ValueError(f"direct_read: the buffer holds {have} bytes, the files need "
@@ -178,7 +188,10 @@ def direct_read(files: list[str], streams: int, into: memoryview | None,
 
     def one(s: int) -> None:
         for k, off, at, n in plan[s]:
-            got[s][k] += os.preadv(fds[k], [_piece(into, rings, s, at, n)], off)
+            piece = _piece(into, rings, s, at, n)
+            got[s][k] += os.preadv(fds[k], [piece], off)
+            if copy_to is not None:
+                _copy_wrapped(copy_to, at, address(piece), n)
 
     try:
         for f in files:
@@ -193,8 +206,19 @@ def direct_read(files: list[str], streams: int, into: memoryview | None,
     return sum(sizes)
 
 
+def _copy_wrapped(dst: memoryview, at: int, src: int, n: int) -> None:
+    """Copy ``n`` (at most ``len(dst)``) bytes from address ``src`` to ``dst`` at ``at``
+    modulo its length, wrapping around its end."""
+    at %= len(dst)
+    head = min(n, len(dst) - at)
+    copy_bytes(address(dst) + at, src, head)
+    if head < n:
+        copy_bytes(address(dst), src + head, n - head)
+
+
 def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
-                 direct: bool = False, rings: list[memoryview] | None = None) -> list[str]:
+                 direct: bool = False, rings: list[memoryview] | None = None,
+                 copy_from: memoryview | None = None) -> list[str]:
     """Write ``buf[:nbytes]`` into ``streams`` files ``d/pwrite{i}.bin`` by as many threads
     (stream ``i`` writes file ``i``: a disjoint 4 KiB-aligned slice of the bytes, in 64 MiB
     requests), then ``fsync`` each; returns the files written.
@@ -206,8 +230,12 @@ def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
 
     ``rings`` (:func:`ring_buffers`, one per stream; ``buf`` unused): stream ``i`` writes
     every request from the start of ``rings[i]``: ``nbytes`` of the device's best, not the
-    state's bytes.
+    state's bytes; with ``copy_from`` (at least ``nbytes``, any alignment) each request's
+    bytes are first copied from their place there into the ring, as a save from memory
+    O_DIRECT cannot send (torch's CPU tensors) must.
     """
+    if copy_from is not None and (rings is None or len(copy_from) < nbytes):
+        raise ValueError("pwrite_files: copy_from needs rings and at least nbytes bytes")
     per = nbytes // streams // BLOCK * BLOCK
     bounds = [(i * per, (i + 1) * per if i < streams - 1 else nbytes) for i in range(streams)]
     paths = [os.path.join(d, f"pwrite{i}.bin") for i in range(streams)]
@@ -222,7 +250,10 @@ def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
                 done = start
                 while done < end:
                     n = min(CHUNK, end - done)
-                    done += os.pwrite(f, _piece(buf, rings, i, done, n), done - lo)
+                    piece = _piece(buf, rings, i, done, n)
+                    if copy_from is not None:
+                        copy_bytes(address(piece), address(copy_from) + done, n)
+                    done += os.pwrite(f, piece, done - lo)
             os.fsync(fd)
         finally:
             if dfd != fd:
