@@ -11,10 +11,10 @@ write limit   the state's byte count written with O_DIRECT from huge-page rings 
               streams + fsync (``pwrite_files``); the round's best
 read limit    the files of the round's bounce-path checkpoint read with O_DIRECT into huge-page
               rings by 1, 2 and 4 streams (``direct_read``); the round's best
-write/read limit + copy   the same with every request copied from / to its place in the slab
-              first / after (``copy_from`` / ``copy_to``): the floor for saving from and loading
-              into memory O_DIRECT cannot address (torch's CPU tensors are 64-byte aligned,
-              O_DIRECT wants 512 here), which must pass through aligned buffers
+write/read limit + copy   the same with a copy of as many bytes running beside them
+              (``CopyBeside``): the floor for saving from and loading into memory O_DIRECT
+              cannot address (torch's CPU tensors are 64-byte aligned, O_DIRECT wants 512
+              here), which must pass once through aligned buffers
 slab          ``dcp.save`` of the state staged in a registered slab (``LocalWriter(workers=2)``),
               workers that wrote the slab before: a training job's second checkpoint on
 slab, new workers   the same with the worker pool just restarted (a job's first checkpoint)
@@ -44,7 +44,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from benchmarks.save_load import SlabState, data_files
-from dcp_plus.cli.bench.limits import STREAMS, direct_read, pwrite_files, ring_buffers
+from dcp_plus.cli.bench.limits import (
+    STREAMS,
+    CopyBeside,
+    direct_read,
+    pwrite_files,
+    ring_buffers,
+)
 from dcp_plus.cli.bench.machine import drop_caches, load1, machine
 from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors, state_dict_nbytes
 from dcp_plus.planners import SafeLoadPlanner
@@ -112,35 +118,30 @@ class Rounds:
                                        planner=SafeLoadPlanner(), no_dist=True), self.a.settle)
 
     def _write_limit(self, copy: bool) -> float:
-        source = self.slab.slab.buffer if copy else None
-
         def one(k: int) -> float:
             d = self._dir(f"limit{k}")
             os.makedirs(d)
-            return _timed(lambda: pwrite_files(None, self.nbytes, d, k, True,
-                                               self.rings[:k], copy_from=source),
-                          self.a.settle)
+
+            def write() -> None:
+                with CopyBeside(self.nbytes if copy else 0):
+                    pwrite_files(None, self.nbytes, d, k, True, self.rings[:k])
+            return _timed(write, self.a.settle)
         try:
             return min(one(k) for k in STREAMS)
         finally:
             for k in STREAMS:
                 shutil.rmtree(os.path.join(self.root, f"limit{k}"))
-            if source is not None:
-                source.release()
 
     def _read_limit(self, copy: bool) -> float:
         files = data_files(os.path.join(self.root, "bounce"))
-        # into the slab: its bytes are staged again before each slab save
-        target = self.slab.slab.buffer if copy else None
+        nbytes = sum(os.path.getsize(f) for f in files)
 
         def one(k: int) -> float:
-            return _timed(lambda: direct_read(files, k, None, self.rings[:k], copy_to=target),
-                          self.a.settle)
-        try:
-            return min(one(k) for k in STREAMS)
-        finally:
-            if target is not None:
-                target.release()
+            def read() -> None:
+                with CopyBeside(nbytes if copy else 0):
+                    direct_read(files, k, None, self.rings[:k])
+            return _timed(read, self.a.settle)
+        return min(one(k) for k in STREAMS)
 
     def round(self, i: int) -> dict[str, float]:
         saves: dict[str, Callable[[], float]] = {

@@ -13,8 +13,11 @@ import pytest
 
 from dcp_plus.cli.bench.config import BenchConfig
 from dcp_plus.cli.bench.limits import (
+    _BESIDE,
+    BESIDE,
     CHUNK,
     STREAMS,
+    CopyBeside,
     aligned_buffer,
     direct_read,
     direct_refusal,
@@ -179,24 +182,13 @@ def test_the_huge_page_limits_write_and_read_the_byte_count_through_the_rings(di
         direct_read(files, streams, None, rings[:streams - 1] or [rings[0][:4096]])
 
 
-@pytest.mark.parametrize("streams", [1, 4])
-def test_the_limits_with_a_copy_carry_the_bytes_through_the_rings(direct_dir, streams):
-    nbytes = CHUNK + 3 * MiB + 5  # a request per stream and more, an unaligned tail
-    rings = ring_buffers(streams)
-    src = bytearray(os.urandom(nbytes))
-    files = pwrite_files(None, nbytes, str(direct_dir), streams, True, rings,
-                         copy_from=memoryview(src))
-    evict_files(files)
-    dst = bytearray(nbytes + 4096)  # the files' 4 KiB-rounded sizes
-    assert direct_read(files, streams, None, rings, copy_to=memoryview(dst)) == nbytes
-    assert dst[:nbytes] == src  # in place, as a load into unaligned memory must put them
-    short = bytearray(CHUNK + 4096)  # less than the files: the bytes wrap around
-    direct_read(files, streams, None, rings, copy_to=memoryview(short))
-    tail = nbytes - len(short)
-    past = -(-nbytes // 4096) * 4096 - len(short)  # the last request is read 4 KiB-rounded
-    assert short[:tail] == src[len(short):] and short[past:] == src[past:len(short)]
-    with pytest.raises(ValueError, match="copy_to holds"):
-        direct_read(files, streams, None, rings, copy_to=memoryview(dst)[:CHUNK - 1])
-    with pytest.raises(ValueError, match="copy_from needs rings"):
-        pwrite_files(None, nbytes, str(direct_dir / "x"), streams, True, None,
-                     copy_from=memoryview(src))
+
+def test_a_copy_beside_copies_its_byte_count_and_ends_with_the_block():
+    beside = CopyBeside(BESIDE + 3 * MiB)  # round the buffers once and then some
+    src, dst = _BESIDE
+    head, tail = os.urandom(4096), os.urandom(4096)
+    src[:4096], src[-4096:] = head, tail
+    with beside:
+        pass
+    assert not beside._thread.is_alive()
+    assert dst[:4096] == head and dst[-4096:] == tail

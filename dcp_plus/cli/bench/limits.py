@@ -25,6 +25,7 @@ import math
 import mmap
 import os
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -158,26 +159,17 @@ def _piece(buf: memoryview | None, rings: list[memoryview] | None, stream: int, 
 
 
 def direct_read(files: list[str], streams: int, into: memoryview | None,
-                rings: list[memoryview] | None = None,
-                copy_to: memoryview | None = None) -> int:
+                rings: list[memoryview] | None = None) -> int:
     """Read ``files`` with O_DIRECT by ``streams`` threads (:func:`read_plan`) into ``into``
     (page-aligned, at least the files' 4 KiB-rounded sizes: an :func:`aligned_buffer`), or,
     with ``rings`` (:func:`ring_buffers`, one per stream), every request of stream ``s``
     into ``rings[s]`` over the last. Returns the bytes read; raises if a file came back
-    shorter than its size.
-
-    ``copy_to`` (with ``rings``; writable, any alignment): each request is then copied out of
-    its ring to its place there, as a load into memory O_DIRECT cannot target (torch's CPU
-    tensors: 64-byte aligned) must; its place modulo ``len(copy_to)`` when that is less than
-    the files' 4 KiB-rounded sizes (every byte is still copied once)."""
+    shorter than its size."""
     sizes = [os.path.getsize(f) for f in files]
     need = sum(align_up(n) for n in sizes)
     if rings is not None:
         if len(rings) < streams or min(len(r) for r in rings) < CHUNK:
             raise ValueError(f"direct_read: {streams} rings of {CHUNK} bytes needed")
-        if copy_to is not None and len(copy_to) < CHUNK:
-            raise ValueError(f"direct_read: copy_to holds {len(copy_to)} bytes, less than "
-                             f"one request ({CHUNK})")
     elif into is None or len(into) < need:
         have = 0 if into is None else len(into)
         raise ValueError(f"direct_read: the buffer holds {have} bytes, the files need "
@@ -188,10 +180,7 @@ def direct_read(files: list[str], streams: int, into: memoryview | None,
 
     def one(s: int) -> None:
         for k, off, at, n in plan[s]:
-            piece = _piece(into, rings, s, at, n)
-            got[s][k] += os.preadv(fds[k], [piece], off)
-            if copy_to is not None:
-                _copy_wrapped(copy_to, at, address(piece), n)
+            got[s][k] += os.preadv(fds[k], [_piece(into, rings, s, at, n)], off)
 
     try:
         for f in files:
@@ -206,19 +195,49 @@ def direct_read(files: list[str], streams: int, into: memoryview | None,
     return sum(sizes)
 
 
-def _copy_wrapped(dst: memoryview, at: int, src: int, n: int) -> None:
-    """Copy ``n`` (at most ``len(dst)``) bytes from address ``src`` to ``dst`` at ``at``
-    modulo its length, wrapping around its end."""
-    at %= len(dst)
-    head = min(n, len(dst) - at)
-    copy_bytes(address(dst) + at, src, head)
-    if head < n:
-        copy_bytes(address(dst), src + head, n - head)
+class CopyBeside:
+    """``with CopyBeside(nbytes):`` a thread of its own copies ``nbytes`` between two warm
+    buffers of anonymous 4 KiB-page memory (:data:`BESIDE` each, copied round and round: past
+    every cache, as a state's tensors are), in 1 MiB ``memmove`` steps, while the block runs;
+    the block ends when both have.
+
+    An O_DIRECT limit timed inside is the floor for a save from, or a load into, memory that
+    O_DIRECT cannot address (torch's CPU tensors are 64-byte aligned; O_DIRECT wants 512 here)
+    and that must therefore pass once through aligned buffers: the device's transfers and one
+    copy of every byte, perfectly overlapped. The copy costs the transfers more than its CPU
+    time: on the dev VM a memmove beside O_DIRECT reads slows them 8-24 %, a CPU-bound loop
+    of the same duty (xxh3 of an L2-resident MiB) not at all."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        if not _BESIDE:
+            _BESIDE.extend(aligned_buffer(BESIDE) for _ in range(2))
+        self._thread = threading.Thread(target=self._run, name="dcpp-copy-beside",
+                                        daemon=True)
+
+    def _run(self) -> None:
+        src, dst = (address(memoryview(b)) for b in _BESIDE)
+        done = 0
+        while done < self.nbytes:
+            at = done % BESIDE
+            n = min(1 << 20, self.nbytes - done, BESIDE - at)
+            copy_bytes(dst + at, src + at, n)
+            done += n
+
+    def __enter__(self) -> CopyBeside:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._thread.join()
+
+
+BESIDE = 256 << 20
+_BESIDE: list[mmap.mmap] = []
 
 
 def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
-                 direct: bool = False, rings: list[memoryview] | None = None,
-                 copy_from: memoryview | None = None) -> list[str]:
+                 direct: bool = False, rings: list[memoryview] | None = None) -> list[str]:
     """Write ``buf[:nbytes]`` into ``streams`` files ``d/pwrite{i}.bin`` by as many threads
     (stream ``i`` writes file ``i``: a disjoint 4 KiB-aligned slice of the bytes, in 64 MiB
     requests), then ``fsync`` each; returns the files written.
@@ -230,12 +249,8 @@ def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
 
     ``rings`` (:func:`ring_buffers`, one per stream; ``buf`` unused): stream ``i`` writes
     every request from the start of ``rings[i]``: ``nbytes`` of the device's best, not the
-    state's bytes; with ``copy_from`` (at least ``nbytes``, any alignment) each request's
-    bytes are first copied from their place there into the ring, as a save from memory
-    O_DIRECT cannot send (torch's CPU tensors) must.
+    state's bytes.
     """
-    if copy_from is not None and (rings is None or len(copy_from) < nbytes):
-        raise ValueError("pwrite_files: copy_from needs rings and at least nbytes bytes")
     per = nbytes // streams // BLOCK * BLOCK
     bounds = [(i * per, (i + 1) * per if i < streams - 1 else nbytes) for i in range(streams)]
     paths = [os.path.join(d, f"pwrite{i}.bin") for i in range(streams)]
@@ -250,10 +265,7 @@ def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
                 done = start
                 while done < end:
                     n = min(CHUNK, end - done)
-                    piece = _piece(buf, rings, i, done, n)
-                    if copy_from is not None:
-                        copy_bytes(address(piece), address(copy_from) + done, n)
-                    done += os.pwrite(f, piece, done - lo)
+                    done += os.pwrite(f, _piece(buf, rings, i, done, n), done - lo)
             os.fsync(fd)
         finally:
             if dfd != fd:
