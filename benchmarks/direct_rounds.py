@@ -90,6 +90,7 @@ class Rounds:
         self.samples: dict[str, list[float]] = {c: [] for c in (*LIMITS, *CASES)}
         self.ratios: dict[str, list[float]] = {f"{c} / {lim}": [] for c in CASES
                                                for lim in JUDGED[c]}
+        self._save_slab(True)  # untimed: the pool started, the slab written once by it
 
     def _dir(self, name: str) -> str:
         d = os.path.join(self.root, name)
