@@ -33,8 +33,11 @@ from dcp_plus.storage.fanout import windowed
 from dcp_plus.storage.fileio import read_coalesced
 from dcp_plus.storage.ranged import RangeRequest, plan_requests
 
-PIECE = 16 << 20
-"""The longest request: 4 streams of 16 MiB reach the device's O_DIRECT read rate here."""
+PIECE = 8 << 20
+"""The longest request. 4 streams of 8 MiB (8 device requests of 4 MiB in flight) read as fast
+as of 16 MiB on the dev VM, and a process's first load maps half the bounce memory: fresh
+memory faults in at ~1.2 ms a MiB there (pages the host took back), 2 GiB verified loads
+with new bounce buffers 1.37-1.40x the read limit against 1.48-1.60x with 16 MiB pieces."""
 HASH_STEP = 1 << 20
 COPIERS = 2
 """Requests beyond ``streams`` under way at once: copying out and hashing what they read while
@@ -43,12 +46,14 @@ all wait on their copies (~5 ms in every ~31 ms round of 4 x 16 MiB here, with n
 flight at the device)."""
 GAP = 64 << 10
 """Extents at most this far apart are read by one request (the gap into the bounce buffer)."""
-BOUNCE_BYTES = PIECE + 2 * DIRECT_ALIGN  # a request's aligned span, unaligned ends rounded out
+BOUNCE_BYTES = PIECE
+"""A request's aligned span: requests never straddle a multiple of ``PIECE`` (which is one of
+4 KiB), so rounding their ends out to 4 KiB keeps them within one ``PIECE``-sized window."""
 read_bounce_pool = BufferPool(BOUNCE_BYTES, keep=6)
 """The process's read bounce buffers, kept between loads (a default load uses 4 + COPIERS =
-6: 108 MiB) and unmapped after a minute unused: buffers mapped and faulted in afresh for
-every load cost 0.01-0.3 s of a 1 s 2 GiB load on the dev VM (guest pages the host reclaimed
-fault in slowly)."""
+6: 48 MiB) and unmapped after a minute unused: buffers mapped and faulted in afresh cost
+~1.2 ms a MiB on the dev VM (guest pages the host reclaimed fault in slowly), which a job's
+restore, the first load of its processes, pays."""
 
 Done = Callable[[int, "str | None"], None]
 """``done(k, checksum)``: extent ``k`` is in; its content checksum, or None if not hashed."""
@@ -215,6 +220,9 @@ class DirectRead:
         a = start - start % DIRECT_ALIGN
         b = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
         with self._bounce.take_addressed() as (bounce, at):
+            if b - a > len(bounce):  # _plan keeps every request inside one PIECE window
+                raise RuntimeError(f"{self._location(req.name)}: a request of {b - a} bytes "
+                                   f"does not fit a {len(bounce)}-byte bounce buffer")
             with self._reading:
                 got = pread_upto(fd, bounce[: b - a], a)
             if got < end - a:
