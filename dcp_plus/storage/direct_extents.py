@@ -46,6 +46,7 @@ all wait on their copies (~5 ms in every ~31 ms round of 4 x 16 MiB here, with n
 flight at the device)."""
 GAP = 64 << 10
 """Extents at most this far apart are read by one request (the gap into the bounce buffer)."""
+assert PIECE % DIRECT_ALIGN == 0, "requests are cut at multiples of PIECE: 4 KiB ones"
 BOUNCE_BYTES = PIECE
 """A request's aligned span: requests never straddle a multiple of ``PIECE`` (which is one of
 4 KiB), so rounding their ends out to 4 KiB keeps them within one ``PIECE``-sized window."""

@@ -6,18 +6,17 @@ what the limits must then report instead of failing.
 
 from __future__ import annotations
 
+import mmap
 import os
 from pathlib import Path
 
 import pytest
 
 from dcp_plus.cli.bench.config import BenchConfig
+from dcp_plus.cli.bench.copy_beside import CopyBeside
 from dcp_plus.cli.bench.limits import (
-    _BESIDE,
-    BESIDE,
     CHUNK,
     STREAMS,
-    CopyBeside,
     aligned_buffer,
     direct_read,
     direct_refusal,
@@ -183,12 +182,20 @@ def test_the_huge_page_limits_write_and_read_the_byte_count_through_the_rings(di
 
 
 
-def test_a_copy_beside_copies_its_byte_count_and_ends_with_the_block():
-    beside = CopyBeside(BESIDE + 3 * MiB)  # round the buffers once and then some
-    src, dst = _BESIDE
-    head, tail = os.urandom(4096), os.urandom(4096)
-    src[:4096], src[-4096:] = head, tail
+def test_a_copy_beside_copies_its_byte_count_round_its_buffers_by_the_block_end():
+    bufs = (mmap.mmap(-1, MiB), mmap.mmap(-1, MiB))
+    bufs[0][:] = os.urandom(MiB)
+    beside = CopyBeside(3 * MiB + 5, bufs)
     with beside:
         pass
-    assert not beside._thread.is_alive()
-    assert dst[:4096] == head and dst[-4096:] == tail
+    assert beside.copied == 3 * MiB + 5
+    assert bufs[1][:] == bufs[0][:]
+    with pytest.raises(RuntimeError, match="runs once"), beside:
+        pass
+
+
+def test_a_copy_beside_stops_when_its_block_raises():
+    beside = CopyBeside(1 << 50, (mmap.mmap(-1, MiB), mmap.mmap(-1, MiB)))  # 1 PiB: never
+    with pytest.raises(ValueError, match="the block"), beside:
+        raise ValueError("the block")
+    assert 0 < beside.copied < 1 << 50

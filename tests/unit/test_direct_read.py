@@ -25,6 +25,7 @@ from dcp_plus.cli.bench.machine import evict_files
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.manager.options import LocalReaderOptions
+from dcp_plus.storage import direct_extents
 from dcp_plus.storage.direct_extents import PIECE, ExtentEOFError
 from dcp_plus.storage.direct_read import DIRECT_ALIGN, address, resident_bytes
 from dcp_plus.storage.direct_store import DirectFileStore
@@ -378,6 +379,17 @@ def test_store_reads_any_range_into_any_buffer_with_its_checksum(data_file, spec
     for k, (off, n, _) in enumerate(spec):
         assert bytes(bufs[k]) == data[off : off + n]
         assert sums[k] == checksum_bytes(data[off : off + n])
+    store.close()
+
+
+def test_a_request_outgrowing_the_bounce_buffers_is_refused_not_truncated(data_file,
+                                                                          monkeypatch):
+    root, _ = data_file
+    monkeypatch.setattr(direct_extents, "PIECE", 2 * PIECE)  # the buffers stay PIECE bytes
+    store = DirectFileStore(str(root), direct_io=True)
+    bufs = _buffers([(8, PIECE + 4096, 8)])  # unaligned: through a bounce buffer
+    with pytest.raises(RuntimeError, match="does not fit"):
+        store.read_direct([("f.dcpp", 8, PIECE + 4096)], lambda k: bufs[k], lambda k, s: None)
     store.close()
 
 

@@ -11,10 +11,12 @@
   of them is what the device takes and gives (the write and read limits of a durable save /
   cold load). :func:`direct_refusal` says where the file system refuses O_DIRECT. With
   ``rings`` (:func:`ring_buffers`) each stream writes from / reads into its own reusable
-  huge-page buffer instead of the state's bytes: the device's best (see there).
+  huge-page buffer instead of the state's bytes: the device's best (see there); timed inside
+  a :class:`~dcp_plus.cli.bench.copy_beside.CopyBeside`, the floor for memory O_DIRECT cannot
+  address.
 
-Shared by ``benchmarks/save_load.py``, ``benchmarks/staging.py``,
-``benchmarks/compression.py`` and ``dcp-plus bench``.
+Shared by ``benchmarks/save_load.py``, ``benchmarks/direct_rounds.py``,
+``benchmarks/staging.py``, ``benchmarks/compression.py`` and ``dcp-plus bench``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import math
 import mmap
 import os
 import subprocess
-import threading
 import time
 from typing import Any
 
@@ -36,7 +37,6 @@ from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
 from dcp_plus.storage.buffers import aligned_buffer as page_aligned
 from dcp_plus.storage.buffers import transfer_buffer
-from dcp_plus.storage.direct_read import address, copy_bytes
 from dcp_plus.storage.fanout import in_streams
 
 CHUNK = 64 << 20
@@ -193,47 +193,6 @@ def direct_read(files: list[str], streams: int, into: memoryview | None,
         if sum(g[k] for g in got) != n:
             raise OSError(f"direct_read: {f}: read {sum(g[k] for g in got)} of {n} bytes")
     return sum(sizes)
-
-
-class CopyBeside:
-    """``with CopyBeside(nbytes):`` a thread of its own copies ``nbytes`` between two warm
-    buffers of anonymous 4 KiB-page memory (:data:`BESIDE` each, copied round and round: past
-    every cache, as a state's tensors are), in 1 MiB ``memmove`` steps, while the block runs;
-    the block ends when both have.
-
-    An O_DIRECT limit timed inside is the floor for a save from, or a load into, memory that
-    O_DIRECT cannot address (torch's CPU tensors are 64-byte aligned; O_DIRECT wants 512 here)
-    and that must therefore pass once through aligned buffers: the device's transfers and one
-    copy of every byte, perfectly overlapped. The copy costs the transfers more than its CPU
-    time: on the dev VM a memmove beside O_DIRECT reads slows them 8-24 %, a CPU-bound loop
-    of the same duty (xxh3 of an L2-resident MiB) not at all."""
-
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        if not _BESIDE:
-            _BESIDE.extend(aligned_buffer(BESIDE) for _ in range(2))
-        self._thread = threading.Thread(target=self._run, name="dcpp-copy-beside",
-                                        daemon=True)
-
-    def _run(self) -> None:
-        src, dst = (address(memoryview(b)) for b in _BESIDE)
-        done = 0
-        while done < self.nbytes:
-            at = done % BESIDE
-            n = min(1 << 20, self.nbytes - done, BESIDE - at)
-            copy_bytes(dst + at, src + at, n)
-            done += n
-
-    def __enter__(self) -> CopyBeside:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._thread.join()
-
-
-BESIDE = 256 << 20
-_BESIDE: list[mmap.mmap] = []
 
 
 def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
