@@ -1,9 +1,8 @@
 """One data file re-checked against the record: every extent's checksum, the padding between
 extents, bytes past the last extent, truncation; one problem line per damaged file.
 
-The file is read front to back in contiguous batches of at most 16 MiB (one request each on
-object stores and NFS, two of 8 MiB with O_DIRECT on a local disk), whatever the number of
-extents in it.
+The file is read front to back in contiguous batches of at most 16 MiB (one request each, on
+any store), whatever the number of extents in it.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class LocalReader(ExtentReader):
         verify: check every extent's checksum while loading (default on); with direct I/O
             each extent is hashed as its bytes arrive, not in a second pass.
         threads: parallel read threads (with direct I/O: sequential requests of up to
-            8 MiB in flight, and 2 more threads copying out and hashing what came in; the
+            16 MiB in flight, and 2 more threads copying out and hashing what came in; the
             process keeps those requests' bounce buffers for its next load).
         direct_io: read data files with ``O_DIRECT``, bypassing the page cache: straight
             into destination tensors that are 4 KiB-aligned contiguous CPU memory, through

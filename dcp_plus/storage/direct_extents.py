@@ -33,11 +33,11 @@ from dcp_plus.storage.fanout import windowed
 from dcp_plus.storage.fileio import read_coalesced
 from dcp_plus.storage.ranged import RangeRequest, plan_requests
 
-PIECE = 8 << 20
-"""The longest request. 4 streams of 8 MiB (8 device requests of 4 MiB in flight) read as fast
-as of 16 MiB on the dev VM, and a process's first load maps half the bounce memory: fresh
-memory faults in at ~1.2 ms a MiB there (pages the host took back), 2 GiB verified loads
-with new bounce buffers 1.37-1.40x the read limit against 1.48-1.60x with 16 MiB pieces."""
+PIECE = 16 << 20
+"""The longest request: 4 streams of 16 MiB (16 device requests of 4 MiB in flight) reach the
+device's O_DIRECT read rate on the dev VM. 8 MiB would halve the bounce memory a process's
+first load faults in (~1.2 ms a MiB there) but reads slower: 8 GiB verified loads, warm,
+1.155x the read limit with 8 MiB, 1.038x with 16, 1.098x with 32 (3 rounds each)."""
 HASH_STEP = 1 << 20
 COPIERS = 2
 """Requests beyond ``streams`` under way at once: copying out and hashing what they read while
@@ -52,7 +52,7 @@ BOUNCE_BYTES = PIECE
 4 KiB), so rounding their ends out to 4 KiB keeps them within one ``PIECE``-sized window."""
 read_bounce_pool = BufferPool(BOUNCE_BYTES, keep=6)
 """The process's read bounce buffers, kept between loads (a default load uses 4 + COPIERS =
-6: 48 MiB) and unmapped after a minute unused: buffers mapped and faulted in afresh cost
+6: 96 MiB) and unmapped after a minute unused: buffers mapped and faulted in afresh cost
 ~1.2 ms a MiB on the dev VM (guest pages the host reclaimed fault in slowly), which a job's
 restore, the first load of its processes, pays."""
 
