@@ -84,12 +84,11 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.args = args
         self.sd = gpt2_like_state_dict(size_gib=args.size_gib)
         self.nbytes = state_dict_nbytes(self.sd)
-        self.sample = [(t, t.flatten()[:4096].clone()) for _, t in list(iter_tensors(self.sd))[:8]]
+        self.sample = [(t, t.flatten()[:4096].clone())
+                       for _, t in list(iter_tensors(self.sd))[:8]]
         self.slab = SlabState(self.sd)
         self.root = tempfile.mkdtemp(prefix="dcpp-rounds-", dir=args.dir)
         self.samples: dict[str, list[float]] = {c: [] for c in (*LIMITS, *CASES)}
-        self.ratios: dict[str, list[float]] = {f"{c} / {lim}": [] for c in CASES
-                                               for lim in JUDGED[c]}
         self.drop_method = "?"
 
     def prepare(self) -> None:
@@ -142,32 +141,34 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
             raise RuntimeError("the verified load did not restore the state it saved")
         return s
 
-    def _write_limit(self, copy: bool) -> float:
+    def _best_of_streams(self, transfer: Callable[[int], object], copy: bool,
+                         after: Callable[[int], object] = lambda k: None) -> float:
+        """The best time of ``transfer(k)`` over :data:`STREAMS`, each inside a
+        :class:`CopyBeside` of the state's byte count with ``copy``; ``after(k)`` untimed."""
         def one(k: int) -> float:
-            d = self._dir(f"limit{k}")
-            os.makedirs(d)
             beside = CopyBeside(self.nbytes) if copy else contextlib.nullcontext()
 
-            def write() -> None:
+            def run() -> None:
                 with beside:
-                    pwrite_files(None, self.nbytes, d, k, True, self.rings[:k])
+                    transfer(k)
             try:
-                return self._timed(write)
+                return self._timed(run)
             finally:
-                shutil.rmtree(d, ignore_errors=True)
+                after(k)
         return min(one(k) for k in STREAMS)
+
+    def _write_limit(self, copy: bool) -> float:
+        dirs = {k: self._dir(f"limit{k}") for k in STREAMS}
+        for d in dirs.values():
+            os.makedirs(d)
+        return self._best_of_streams(
+            lambda k: pwrite_files(None, self.nbytes, dirs[k], k, True, self.rings[:k]), copy,
+            after=lambda k: shutil.rmtree(dirs[k], ignore_errors=True))
 
     def _read_limit(self, copy: bool) -> float:
         files = data_files(os.path.join(self.root, "bounce"))
-
-        def one(k: int) -> float:
-            beside = CopyBeside(self.nbytes) if copy else contextlib.nullcontext()
-
-            def read() -> None:
-                with beside:
-                    direct_read(files, k, None, self.rings[:k])
-            return self._timed(read)
-        return min(one(k) for k in STREAMS)
+        return self._best_of_streams(lambda k: direct_read(files, k, None, self.rings[:k]),
+                                     copy)
 
     def run_round(self, i: int) -> dict[str, float]:
         """Every case once (the order flipped in odd rounds); their seconds by name."""
@@ -188,10 +189,13 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         row = {name: cases[name]() for name in [*_in_order(limits + saves, flip), *reads]}
         for name, s in row.items():
             self.samples[name].append(s)
-        for name in CASES:
-            for lim in JUDGED[name]:
-                self.ratios[f"{name} / {lim}"].append(row[name] / row[lim])
         return row
+
+    def ratios(self) -> dict[str, list[float]]:
+        """Per case and each of its limits, the case's time over its round's limit, by round."""
+        return {f"{c} / {lim}": [a / b for a, b in zip(self.samples[c], self.samples[lim],
+                                                       strict=True)]
+                for c in CASES for lim in JUDGED[c]}
 
     def __exit__(self, *exc: Any) -> None:
         shutdown_pool()  # its workers map the slab
@@ -205,7 +209,7 @@ def _report(r: Rounds) -> None:
         x = r.samples[name]
         print(f"| {name} | {statistics.median(x):.3f} ({min(x):.3f}-{max(x):.3f}) |")
     print("\n| case / its round's limit | median (min-max) |\n|---|---|")
-    for name, x in r.ratios.items():
+    for name, x in r.ratios().items():
         print(f"| {name} | **{statistics.median(x):.3f}x** ({min(x):.2f}-{max(x):.2f}) |")
 
 
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"args": vars(args), "machine": machine(), "nbytes": r.nbytes,
                        "shm_dir": SHM_DIR, "first_stage_s": r.first_stage_s,
                        "cache_drop": r.drop_method, "samples": r.samples,
-                       "ratios": r.ratios}, f, indent=1)
+                       "ratios": r.ratios()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -220,10 +220,10 @@ class DirectRead:
             return
         a = start - start % DIRECT_ALIGN
         b = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+        if b - a > self._bounce.size:  # _plan keeps every request inside one PIECE window
+            raise RuntimeError(f"{self._location(req.name)}: a request of {b - a} bytes "
+                               f"does not fit a {self._bounce.size}-byte bounce buffer")
         with self._bounce.take_addressed() as (bounce, at):
-            if b - a > len(bounce):  # _plan keeps every request inside one PIECE window
-                raise RuntimeError(f"{self._location(req.name)}: a request of {b - a} bytes "
-                                   f"does not fit a {len(bounce)}-byte bounce buffer")
             with self._reading:
                 got = pread_upto(fd, bounce[: b - a], a)
             if got < end - a:
