@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -14,6 +15,18 @@ _NUMPY_DTYPES = frozenset({
     torch.float64, torch.float32, torch.float16, torch.complex128, torch.complex64,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool})
 """Dtypes whose tensors ``.numpy()`` views directly (the others are viewed as uint8 first)."""
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, in the dicts, lists and tuples inside it too."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

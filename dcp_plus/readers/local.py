@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from dcp_plus.errors import CheckpointNotFoundError, InvalidOptionError
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME
 from dcp_plus.readers.base import ExtentReader, describe
+from dcp_plus.readers.solo_memory import may_shift_for
 from dcp_plus.storage.direct import DirectIO, direct_io_problem
 from dcp_plus.storage.direct_extents import COPIERS
 from dcp_plus.storage.direct_store import DirectFileStore
@@ -55,9 +56,12 @@ class LocalReader(ExtentReader):
             16 MiB in flight, and 2 more threads copying out and hashing what came in; the
             process keeps those requests' bounce buffers for its next load).
         direct_io: read data files with ``O_DIRECT``, bypassing the page cache: straight
-            into destination tensors that are 4 KiB-aligned contiguous CPU memory, through
-            reused aligned bounce buffers otherwise. A load leaves the checkpoint out of the
-            page cache (cold files stay cold) and avoids the copy through it. ``"auto"``
+            into contiguous CPU destination tensors of 64 KiB or more (one that is not
+            4 KiB-aligned, as torch's are not, gets its bytes at its first 4 KiB boundary and
+            moved down after, unless it shares memory with another tensor of the state
+            dict), through small side buffers or reused aligned bounce buffers otherwise. A
+            load leaves the checkpoint out of the page cache (cold files stay cold) and
+            avoids the copy through it. ``"auto"``
             (default): where it helps (not on tmpfs or ramfs, whose files live in memory);
             ``True``: wherever the file system allows it; ``False``: never. A file system
             that refuses O_DIRECT gets buffered reads, with one log line saying why.
@@ -93,7 +97,8 @@ class LocalReader(ExtentReader):
             super()._read_extents(by_extent, planner)
             return
         self._read_pipelined(partial(store.read_direct, streams=self.threads,
-                                     hashed=self.verify), by_extent, planner,
+                                     hashed=self.verify, may_shift=may_shift_for(planner)),
+                             by_extent, planner,
                              threads=self.threads + COPIERS)
 
     def _location(self, name: str) -> str:

@@ -8,7 +8,7 @@ import ctypes
 import mmap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 ALIGN = 4096
 """O_DIRECT alignment of buffer addresses, file offsets and lengths (the logical block size
@@ -43,14 +43,17 @@ def transfer_buffer(nbytes: int) -> mmap.mmap:
 class BufferPool:
     """Reusable aligned buffers of ``size`` bytes; at most ``keep`` idle ones are kept, and
     none once the pool has gone unused for ``idle_s`` seconds (None: kept for good): a
-    training process that loaded once should not hold a load's buffers for the whole job."""
+    training process that loaded once should not hold a load's buffers for the whole job.
+    ``make(size)`` maps a new one (default :func:`transfer_buffer`)."""
 
-    def __init__(self, size: int, keep: int = 8, idle_s: float | None = 60.0) -> None:
+    def __init__(self, size: int, keep: int = 8, idle_s: float | None = 60.0,
+                 make: Callable[[int], mmap.mmap] | None = None) -> None:
         if size % ALIGN:
             raise ValueError(f"BufferPool size must be a multiple of {ALIGN}, got {size}")
         self.size = size
         self.keep = keep
         self.idle_s = idle_s
+        self._make = make or transfer_buffer
         self._idle: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self._last_use = 0.0
@@ -67,7 +70,7 @@ class BufferPool:
         with self._lock:
             buf = self._idle.pop() if self._idle else None
         if buf is None:
-            buf = transfer_buffer(self.size)
+            buf = self._make(self.size)
         view = memoryview(buf)[: self.size]  # the mapping is rounded up to whole huge pages
         try:
             yield view

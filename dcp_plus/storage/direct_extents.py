@@ -2,31 +2,33 @@
 
 Requests are :func:`~dcp_plus.storage.ranged.plan_requests`' (neighbours coalesced, whatever their size,
 runs cut at multiples of :data:`PIECE`, so a request starts where an extent or a multiple of
-``PIECE`` does: 4 KiB-aligned in dcp_plus files). A request that is one piece of one extent whose
-buffer lies 4 KiB-aligned in memory is read straight into the buffer (a last part under 4 KiB
-through one page of a bounce buffer); any other request is read, as the aligned span around
-it, into a bounce buffer and copied out. Each extent's bytes are hashed in file order as they
-land (:data:`HASH_STEP` at a time, right after each copy, while in the CPU cache): the
+``PIECE`` does: 4 KiB-aligned in dcp_plus files). Each request is one ``preadv``: pieces of
+64 KiB or more straight into their destinations (:mod:`~dcp_plus.storage.direct_landing`:
+shifted to the next 4 KiB boundary and moved down after, unless the destination is aligned
+already), the rest into a small side buffer and copied out; a request with no piece read in
+place goes whole into a bounce buffer. Each extent's bytes are hashed in file order as they
+land (:data:`HASH_STEP` at a time, right after each move or copy, while in the CPU cache): the
 checksum needs no second pass over the data.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from dcp_plus.format.checksum import Hasher, format_checksum, new_hasher
-from dcp_plus.storage.buffers import BufferPool
+from dcp_plus.storage.buffers import BufferPool, aligned_buffer
+from dcp_plus.storage.direct_landing import Landing, MayShift, lay_out
 from dcp_plus.storage.direct_read import (
     DIRECT_ALIGN,
     address,
     copy_bytes,
-    is_aligned,
     is_refusal,
-    pread_upto,
+    preadv_upto,
     set_direct,
 )
 from dcp_plus.storage.fanout import windowed
@@ -51,10 +53,14 @@ BOUNCE_BYTES = PIECE
 """A request's aligned span: requests never straddle a multiple of ``PIECE`` (which is one of
 4 KiB), so rounding their ends out to 4 KiB keeps them within one ``PIECE``-sized window."""
 read_bounce_pool = BufferPool(BOUNCE_BYTES, keep=6)
-"""The process's read bounce buffers, kept between loads (a default load uses 4 + COPIERS =
-6: 96 MiB) and unmapped after a minute unused: buffers mapped and faulted in afresh cost
-~1.2 ms a MiB on the dev VM (guest pages the host reclaimed fault in slowly), which a job's
-restore, the first load of its processes, pays."""
+"""The process's read bounce buffers, for requests with no piece read in place (small
+tensors, destinations shared by two tensors), kept between loads (at most 4 + COPIERS = 6:
+96 MiB) and unmapped after a minute unused: buffers mapped and faulted in afresh cost ~1.2 ms
+a MiB on the dev VM (guest pages the host reclaimed fault in slowly)."""
+SIDE_BYTES = 1 << 20
+read_side_pool = BufferPool(SIDE_BYTES, keep=6, make=aligned_buffer)
+"""Side buffers of requests reading in place (their pieces' last < 8 KiB, small pieces,
+gaps): plain pages, faulted in only where a read lands."""
 
 Done = Callable[[int, "str | None"], None]
 """``done(k, checksum)``: extent ``k`` is in; its content checksum, or None if not hashed."""
@@ -130,14 +136,19 @@ class DirectRead:
     """One read of whole extents ``(file name, offset, length)`` through O_DIRECT descriptors
     of ``open_file(name)``; on a file system that refuses O_DIRECT reads (EINVAL),
     ``refused(name, error)`` is told and the request is read through the page cache.
-    At most ``streams`` requests read at a time."""
+    At most ``streams`` requests read at a time. ``may_shift`` (see
+    :data:`~dcp_plus.storage.direct_landing.MayShift`) says which unaligned destinations may
+    be read in place; without it only aligned ones are."""
 
     def __init__(self, open_file: Callable[[str], int], location: Callable[[str], str],
                  bounce: BufferPool, refused: Callable[[str, OSError], None],
-                 streams: int = 1) -> None:
+                 streams: int = 1, *, side: BufferPool = read_side_pool,
+                 may_shift: MayShift | None = None) -> None:
         self._open_file = open_file
         self._location = location
         self._bounce = bounce
+        self._side = side
+        self._may_shift = may_shift
         self._refused = refused
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -200,43 +211,22 @@ class DirectRead:
 
     def _read(self, fd: int, req: RangeRequest, views: list[memoryview | None],
               progress: _Progress) -> None:
-        start, end = req.start, req.start + req.length
-        first = views[0]
-        if (len(views) == 1 and first is not None and start % DIRECT_ALIGN == 0
-                and req.length >= DIRECT_ALIGN and is_aligned(first)):
-            k, lo, hi = req.pieces[0]
-            body = req.length - req.length % DIRECT_ALIGN
+        layout = lay_out(req.start, req.length, req.pieces, views, self._may_shift)
+        if layout.side_bytes > self._bounce.size:  # _plan keeps requests inside a PIECE
+            raise RuntimeError(f"{self._location(req.name)}: a request of "
+                               f"{layout.side_bytes} bytes does not fit a "
+                               f"{self._bounce.size}-byte bounce buffer")
+        pool = self._side if layout.side_bytes <= self._side.size else self._bounce
+        with pool.take_addressed() if layout.side_bytes else _no_side() as (side, side_at):
+            iovecs = [side[at:at + n] if i < 0 else _view(layout.landings[i])[at:at + n]
+                      for i, at, n in layout.segments]
             with self._reading:
-                got = pread_upto(fd, first[:body], start)
-            if got < body:
-                raise self._eof(req, start + got)
-            if body < req.length:
-                with self._bounce.take_addressed() as (page, page_at):
-                    got = pread_upto(fd, page[:DIRECT_ALIGN], start + body)
-                    if got < req.length - body:
-                        raise self._eof(req, start + body + got)
-                    copy_bytes(address(first) + body, page_at, req.length - body)
-            progress.landed(k, lo, hi)
-            return
-        a = start - start % DIRECT_ALIGN
-        b = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
-        if b - a > self._bounce.size:  # _plan keeps every request inside one PIECE window
-            raise RuntimeError(f"{self._location(req.name)}: a request of {b - a} bytes "
-                               f"does not fit a {self._bounce.size}-byte bounce buffer")
-        with self._bounce.take_addressed() as (bounce, at):
-            with self._reading:
-                got = pread_upto(fd, bounce[: b - a], a)
-            if got < end - a:
-                raise self._eof(req, a + got)
-            pos = at + start - a
-            for (k, lo, hi), view in zip(req.pieces, views, strict=True):
-                if view is not None and hi > lo:
-                    dst = address(view)
-                    for s in range(0, hi - lo, HASH_STEP):
-                        n = min(HASH_STEP, hi - lo - s)
-                        copy_bytes(dst + s, pos + s, n)
-                        progress.landed(k, lo + s, lo + s + n)
-                pos += hi - lo
+                got = preadv_upto(fd, iovecs, layout.start)
+            if got < req.start + req.length - layout.start:
+                raise self._eof(req, layout.start + got)
+            for landing in layout.landings:
+                if landing.view is not None:
+                    _settle(landing, side_at, progress)
 
     def _eof(self, req: RangeRequest, at: int) -> ExtentEOFError:
         """The error for ``req``'s file ending at byte ``at``, naming the extent cut there."""
@@ -247,6 +237,38 @@ class DirectRead:
                 break
         return ExtentEOFError(f"{self._location(req.name)}: unexpected end of file at byte "
                               f"{at}", cut)
+
+
+def _view(landing: Landing) -> memoryview:
+    assert landing.view is not None  # only pieces with a destination are read in place
+    return landing.view
+
+
+@contextlib.contextmanager
+def _no_side() -> Iterator[tuple[memoryview, int]]:
+    yield memoryview(b""), 0
+
+
+def _settle(landing: Landing, side_at: int, progress: _Progress) -> None:
+    """Put a read piece's bytes in place (moving its body down by ``shift``, copying the
+    rest from the side buffer at ``side_at``), telling ``progress`` as each MiB is in."""
+    k, lo, n = landing.k, landing.lo, landing.hi - landing.lo
+    dst = address(_view(landing))
+    if landing.shift > 0:
+        _copy_landed(progress, k, lo, dst, dst + landing.shift, landing.body)
+    elif landing.body:
+        progress.landed(k, lo, lo + landing.body)
+    _copy_landed(progress, k, lo + landing.body, dst + landing.body,
+                 side_at + landing.side_at, n - landing.body)
+
+
+def _copy_landed(progress: _Progress, k: int, lo: int, dst: int, src: int, n: int) -> None:
+    """memmove ``n`` bytes (``dst`` below ``src`` if they overlap) a MiB at a time, each
+    hashed right after, while in the CPU cache."""
+    for s in range(0, n, HASH_STEP):
+        m = min(HASH_STEP, n - s)
+        copy_bytes(dst + s, src + s, m)
+        progress.landed(k, lo + s, lo + s + m)
 
 
 def _plan(extents: Sequence[tuple[str, int, int]]) -> list[RangeRequest]:

@@ -59,25 +59,26 @@ def address(view: memoryview | mmap.mmap) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def is_aligned(view: memoryview) -> bool:
-    """Whether ``view`` may be an O_DIRECT target: non-empty, writable, 4 KiB-aligned."""
-    return len(view) > 0 and not view.readonly and address(view) % DIRECT_ALIGN == 0
-
-
 def copy_bytes(dst: int, src: int, n: int) -> None:
     """memmove ``n`` bytes between addresses (without the GIL, unlike a memoryview copy)."""
     ctypes.memmove(dst, src, n)
 
 
-def pread_upto(fd: int, view: memoryview, offset: int) -> int:
-    """Fill ``view`` from ``offset`` as far as the file goes; the bytes read. Aligned
-    ``view`` and ``offset`` stay aligned: a short O_DIRECT read only happens at the end."""
+def preadv_upto(fd: int, views: list[memoryview], offset: int) -> int:
+    """Fill ``views`` in turn from ``offset`` as far as the file goes; the bytes read (a
+    short O_DIRECT read of aligned views only happens at the end of the file)."""
+    views = [v for v in views if len(v)]
+    total = sum(len(v) for v in views)
     done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
+    while views:
+        n = os.preadv(fd, views, offset + done)
         if n == 0:
             break
         done += n
-        if done % DIRECT_ALIGN:  # ended inside a block: the end of the file
+        if done % DIRECT_ALIGN or done == total:
             break
+        while n and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
     return done

@@ -18,6 +18,7 @@ from concurrent.futures import Executor
 
 from dcp_plus.storage.direct import DirectIO
 from dcp_plus.storage.direct_extents import DirectRead, Done, read_bounce_pool
+from dcp_plus.storage.direct_landing import MayShift
 from dcp_plus.storage.direct_read import memory_fs, set_direct
 from dcp_plus.storage.fileio import open_regular
 from dcp_plus.storage.localfs import LocalFileStore
@@ -84,9 +85,10 @@ class DirectFileStore(LocalFileStore):
     def read_direct(self, extents: Sequence[tuple[str, int, int]],
                     open_extent: Callable[[int], memoryview], done: Done,
                     executor: Executor | None = None, *, streams: int = 1,
-                    hashed: bool = False) -> None:
+                    hashed: bool = False, may_shift: MayShift | None = None) -> None:
         """:meth:`DirectRead.run <dcp_plus.storage.direct_extents.DirectRead.run>` on this
-        store's files (call it after :meth:`uses_direct` said True)."""
+        store's files (call it after :meth:`uses_direct` said True); ``may_shift``: which
+        unaligned destinations may be read in place (none without it)."""
         reader = DirectRead(self._open_direct, self.location, read_bounce_pool,
-                            self._refused, streams)
+                            self._refused, streams, may_shift=may_shift)
         reader.run(extents, open_extent, done, executor, hashed=hashed)

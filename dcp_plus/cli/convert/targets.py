@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.storage import StorageWriter
 
 from dcp_plus.cli.convert.source import Progress, backend_for_source, first_cause
 from dcp_plus.errors import DcpPlusError
+from dcp_plus.format.values import tensors_in
 from dcp_plus.manager.control import quiet_if_alone
 from dcp_plus.storage.urls import is_url
 
@@ -140,7 +141,7 @@ def _write_torch(state: dict[str, Any], path: str, progress: Progress,
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    progress(sum(t.numel() * t.element_size() for t in _tensors(state)))
+    progress(sum(t.numel() * t.element_size() for t in tensors_in(state)))
 
 
 def _write_safetensors(state: dict[str, Any], path: str, progress: Progress,
@@ -197,17 +198,6 @@ def shard_files(state: dict[str, Any], shard_bytes: int) -> dict[str, int]:
         mapping[name] = index
         used += size
     return mapping
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
 
 
 _WRITERS: dict[str, Callable[[dict[str, Any], str, Progress, int | None], None]] = {
