@@ -31,8 +31,10 @@ def _span(t: torch.Tensor) -> tuple[int, int] | None:
         t = t.to_local()
     if t.device.type != "cpu" or t.numel() == 0:
         return None
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.numel() * t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
     return start, start + (last + 1) * t.element_size()
 
 

@@ -189,3 +189,12 @@ def test_a_flipped_byte_in_a_piece_read_in_place_is_detected_naming_the_tensor(t
             assert "checksum mismatch" in msg and "'w'" in msg, msg
         finally:
             flip_byte(ck / row["file"], pos)
+
+
+def test_interleaved_strided_views_count_as_sharing_their_memory():
+    base = torch.zeros(100, 100)
+    left, right, alone = base[:, :50], base[:, 50:], torch.zeros(64, 64)
+    end = alone.data_ptr() + alone.numel() * 4
+    assert solo_spans([{"l": left, "r": right}, [alone]]) == [(alone.data_ptr(), end)]
+    assert solo_spans([base[:50], base[50:]]) == sorted(
+        (t.data_ptr(), t.data_ptr() + 50 * 100 * 4) for t in (base[:50], base[50:]))
