@@ -9,15 +9,15 @@ the page cache before the fsync, so the file ends exactly at its last byte.
 from __future__ import annotations
 
 import bisect
+import ctypes
 import os
 from collections.abc import Callable
 from functools import partial
 
 from dcp_plus.storage.direct import BOUNCE_BYTES, DirectFile, bounce_pool
+from dcp_plus.storage.direct_read import address, copy_bytes
 from dcp_plus.storage.fanout import in_streams
 from dcp_plus.storage.ranged import Segments
-
-_ZEROS = memoryview(bytes(BOUNCE_BYTES))
 
 
 def _bytes(data: memoryview) -> memoryview:
@@ -54,18 +54,23 @@ def write_segments(path: str, segments: Segments, size: int, *, direct: bool, st
 
 def _write_chunk(f: DirectFile, segs: list[tuple[int, memoryview]], ends: list[int],
                  start: int, end: int) -> None:
-    """Assemble file bytes ``[start, end)`` in a bounce buffer and write them."""
-    with bounce_pool.take() as buf:
+    """Assemble file bytes ``[start, end)`` in a bounce buffer and write them. The copies
+    run without the GIL (tensor memory is writable, so it has an address), so the streams
+    copy on both cores at once instead of taking turns."""
+    with bounce_pool.take_addressed() as (buf, at):
         pos = start
         i = bisect.bisect_right(ends, start)  # the first segment ending after ``start``
         while i < len(segs) and segs[i][0] < end:
             off, data = segs[i]
             lo, hi = max(off, start), min(off + len(data), end)
             if lo > pos:
-                buf[pos - start : lo - start] = _ZEROS[: lo - pos]
-            buf[lo - start : hi - start] = data[lo - off : hi - off]
+                ctypes.memset(at + pos - start, 0, lo - pos)
+            if data.readonly:  # bytes values: small
+                buf[lo - start : hi - start] = data[lo - off : hi - off]
+            else:
+                copy_bytes(at + lo - start, address(data) + lo - off, hi - lo)
             pos = hi
             i += 1
         if pos < end:
-            buf[pos - start : end - start] = _ZEROS[: end - pos]
+            ctypes.memset(at + pos - start, 0, end - pos)
         f.write(buf[: end - start], start, aligned=True)
