@@ -23,7 +23,8 @@ bounce          plain ``dcp.save`` of the state with ``LocalWriter()``: aligned 
                 a minute unused)
 verified load   ``dcp.load`` of that checkpoint into the state (zeroed first, checked after)
                 with ``LocalReader`` (checksums verified) and ``SafeLoadPlanner``; read bounce
-                buffers mapped afresh, as for a job's restore (its processes' first load)
+                and side buffers mapped afresh, as for a job's restore (its processes' first
+                load)
 
 Every case starts from a dropped page cache (``drop_caches``, or evicting the benchmark's files
 when not root) after ``--settle`` seconds. Within a round the write limits and the saves, and
@@ -59,7 +60,7 @@ from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers import LocalReader
 from dcp_plus.shm import SHM_DIR
 from dcp_plus.storage.direct import bounce_pool
-from dcp_plus.storage.direct_extents import read_bounce_pool
+from dcp_plus.storage.direct_extents import read_bounce_pool, read_side_pool
 from dcp_plus.writers import LocalWriter
 from dcp_plus.writers.pool import shared_pool, shutdown_pool
 
@@ -134,6 +135,7 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         for _, t in iter_tensors(self.sd):
             t.zero_()
         read_bounce_pool.release_idle()
+        read_side_pool.release_idle()
         d = os.path.join(self.root, "bounce")
         s = self._timed(lambda: dcp.load(self.sd, storage_reader=LocalReader(d),
                                          planner=SafeLoadPlanner(), no_dist=True))
