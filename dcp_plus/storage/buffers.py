@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 ALIGN = 4096
@@ -16,8 +18,11 @@ of every common device; a file system needing more refuses the probe and gets bu
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
-    """``nbytes`` (rounded up to whole pages) of zeroed, page-aligned anonymous memory."""
-    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+    """``nbytes`` (rounded up to whole pages) of zeroed, page-aligned anonymous memory,
+    private to the process (Python's default, ``MAP_SHARED``, would let a forked child and
+    its parent write the same pages)."""
+    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN),
+                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
 
 HUGE_PAGE = 2 << 20
@@ -40,6 +45,18 @@ def transfer_buffer(nbytes: int) -> mmap.mmap:
     return buf
 
 
+_pools: weakref.WeakSet[BufferPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for pool in list(_pools):
+        pool._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class BufferPool:
     """Reusable aligned buffers of ``size`` bytes; at most ``keep`` idle ones are kept, and
     none once the pool has gone unused for ``idle_s`` seconds (None: kept for good): a
@@ -58,6 +75,7 @@ class BufferPool:
         self._lock = threading.Lock()
         self._last_use = 0.0
         self._timer: threading.Timer | None = None
+        _pools.add(self)
 
     @property
     def idle(self) -> int:
@@ -83,7 +101,15 @@ class BufferPool:
                     buf = None
                     self._arm()
             if buf is not None:
-                buf.close()
+                with contextlib.suppress(BufferError):  # a view left alive: unmapped with it
+                    buf.close()
+
+    def _after_fork(self) -> None:
+        # the child shares no thread with the parent: a lock held by one of them at the fork
+        # would never be released, and a timer thread is gone
+        self._lock = threading.Lock()
+        self._timer = None
+        self._idle = []
 
     def _arm(self) -> None:
         # (with the lock) a timer that is not alive: none yet, fired, or lost in a fork

@@ -220,8 +220,12 @@ class DirectRead:
         with pool.take_addressed() if layout.side_bytes else _no_side() as (side, side_at):
             iovecs = [side[at:at + n] if i < 0 else _view(layout.landings[i])[at:at + n]
                       for i, at, n in layout.segments]
-            with self._reading:
-                got = preadv_upto(fd, iovecs, layout.start)
+            try:
+                with self._reading:
+                    got = preadv_upto(fd, iovecs, layout.start)
+            finally:  # views of the side buffer left alive would keep the pool from unmapping it
+                for v in iovecs:
+                    v.release()
             if got < req.start + req.length - layout.start:
                 raise self._eof(req, layout.start + got)
             for landing in layout.landings:

@@ -65,7 +65,7 @@ def _write_chunk(f: DirectFile, segs: list[tuple[int, memoryview]], ends: list[i
             lo, hi = max(off, start), min(off + len(data), end)
             if lo > pos:
                 ctypes.memset(at + pos - start, 0, lo - pos)
-            if data.readonly:  # bytes values: small
+            if data.readonly:  # bytes (byte values, compressed frames): no address to take
                 buf[lo - start : hi - start] = data[lo - off : hi - off]
             else:
                 copy_bytes(at + lo - start, address(data) + lo - off, hi - lo)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,9 @@ import torch
 
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.readers.solo_memory import may_shift_for, solo_spans
-from dcp_plus.storage.direct_extents import PIECE, read_bounce_pool
+from dcp_plus.storage import direct_extents
+from dcp_plus.storage.buffers import aligned_buffer
+from dcp_plus.storage.direct_extents import PIECE, read_bounce_pool, read_side_pool
 from dcp_plus.storage.direct_landing import MIN_IN_PLACE, lay_out
 from dcp_plus.storage.direct_read import DIRECT_ALIGN, address
 from dcp_plus.storage.direct_store import DirectFileStore
@@ -198,3 +202,89 @@ def test_interleaved_strided_views_count_as_sharing_their_memory():
     assert solo_spans([{"l": left, "r": right}, [alone]]) == [(alone.data_ptr(), end)]
     assert solo_spans([base[:50], base[50:]]) == sorted(
         (t.data_ptr(), t.data_ptr() + 50 * 100 * 4) for t in (base[:50], base[50:]))
+
+
+def test_a_load_with_more_requests_in_flight_than_pooled_buffers_is_exact(tmp_path,
+                                                                         monkeypatch):
+    """threads=8: 10 requests at once, each with a side buffer, the pool keeping 6; pieces of
+    one tensor in several requests on different threads."""
+    monkeypatch.setattr(direct_extents, "PIECE", 256 << 10)
+    gen = torch.Generator().manual_seed(4)
+    sd = {f"t{i}": random_tensor(((1 << 18) + 250,), torch.float32, gen) for i in range(24)}
+    save(sd, tmp_path / "ck")
+    read_side_pool.release_idle()
+    target = {k: torch.zeros_like(v) for k, v in sd.items()}
+    load(target, tmp_path / "ck", direct_io=True, threads=8)
+    assert_bit_exact(target, sd)
+    assert read_side_pool.idle <= read_side_pool.keep
+
+
+def test_concurrent_reads_of_split_extents_stay_inside_their_destinations(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setattr(direct_extents, "PIECE", 128 << 10)  # extents cut over requests
+    extents, shifts = _layouts(7)
+    size = max(off + n for off, n in extents)
+    data = random.Random(7).randbytes(size)
+    (tmp_path / "f.dcpp").write_bytes(data)
+    buf, views = _guarded([n for _, n in extents], shifts)
+    store = DirectFileStore(str(tmp_path), direct_io=True)
+    with ThreadPoolExecutor(4 + direct_extents.COPIERS) as pool:
+        store.read_direct([("f.dcpp", off, n) for off, n in extents], views.__getitem__,
+                          lambda k, c: None, pool, streams=4, may_shift=lambda s, e: True)
+    store.close()
+    for k, (off, n) in enumerate(extents):
+        assert bytes(views[k]) == data[off : off + n], k
+    guard = bytearray(buf)
+    for v in views:
+        at = address(v) - address(buf)
+        guard[at : at + len(v)] = bytes([GUARD]) * len(v)
+    assert guard == bytes([GUARD]) * len(buf)
+
+
+def test_a_file_cut_inside_a_body_read_in_place_names_file_and_tensor(tmp_path):
+    from tests.conftest import read_record_json
+    from tests.unit.test_direct_read import TruncatingPlanner
+
+    sd = _big_state(5)
+    ck: Path = tmp_path / "ck"
+    save(sd, ck)
+    row = next(r for r in read_record_json(ck)["extents"] if r["fqn"] == "w")
+    planner = TruncatingPlanner(ck / row["file"], row["offset"] + PIECE // 2 + 5)
+    msg = load_fails({k: torch.zeros_like(v) for k, v in sd.items()}, ck, planner,
+                     direct_io=True)
+    assert "truncated file" in msg and "'w'" in msg and str(ck / row["file"]) in msg, msg
+
+
+def test_side_buffers_are_not_shared_with_a_forked_child():
+    mine = aligned_buffer(4096)
+    mine[:6] = b"PARENT"
+    with read_side_pool.take() as side:
+        side[:6] = b"PARENT"
+    pid = os.fork()
+    if pid == 0:  # the child writes both and exits
+        code = 1
+        try:
+            mine[:5] = b"CHILD"
+            code = 0 if read_side_pool.idle == 0 else 2  # none of the parent's kept
+            with read_side_pool.take() as side:
+                side[:5] = b"CHILD"
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert mine[:6] == b"PARENT", "the child wrote the parent's buffer"
+    with read_side_pool.take() as side:
+        assert bytes(side[:6]) == b"PARENT"
+
+
+def test_memory_that_cannot_be_placed_turns_shifting_off():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    plain = torch.zeros(1 << 16)
+    assert solo_spans([{"p": plain}]) is not None
+    assert solo_spans([{"p": plain, "s": torch.zeros(4, 4).to_sparse()}]) is None
+    assert solo_spans([{"p": plain, "w": TwoTensor(torch.zeros(4), torch.zeros(4))}]) is None
+
+    class Holder:
+        state_dict = {"p": plain, "s": torch.zeros(4, 4).to_sparse()}
+    assert may_shift_for(Holder()) is None  # type: ignore[arg-type]
