@@ -15,14 +15,10 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.planner import LoadPlanner
+from torch.distributed.tensor import DTensor
 
 from dcp_plus.format.values import tensors_in
 from dcp_plus.storage.direct_landing import MayShift
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch without DTensor
-    DTensor = None  # type: ignore[assignment,misc]
 
 
 class _Unplaced(Exception):
@@ -32,7 +28,7 @@ class _Unplaced(Exception):
 def _span(t: torch.Tensor) -> tuple[int, int] | None:
     """The bytes a CPU tensor's elements cover (holes between strided elements included);
     None for an empty or non-CPU one."""
-    if DTensor is not None and isinstance(t, DTensor):
+    if isinstance(t, DTensor):
         t = t.to_local()
     if t.device.type != "cpu" or t.numel() == 0:
         return None

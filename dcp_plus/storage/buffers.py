@@ -28,6 +28,12 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
 HUGE_PAGE = 2 << 20
 
 
+def fault_in(buf: mmap.mmap) -> None:
+    """Touch every page of ``buf`` now (zeroing it; ``memset`` drops the GIL), so that no
+    later use pays the first-touch fault."""
+    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, len(buf))
+
+
 def transfer_buffer(nbytes: int) -> mmap.mmap:
     """Zeroed, private anonymous memory of at least ``nbytes`` for O_DIRECT transfers, backed
     by transparent huge pages where the kernel gives them, faulted in now.
@@ -41,7 +47,7 @@ def transfer_buffer(nbytes: int) -> mmap.mmap:
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages
         buf.madvise(mmap.MADV_HUGEPAGE)
-    ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, size)  # fault in
+    fault_in(buf)
     return buf
 
 

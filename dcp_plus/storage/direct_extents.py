@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -217,7 +217,8 @@ class DirectRead:
                                f"{layout.side_bytes} bytes does not fit a "
                                f"{self._bounce.size}-byte bounce buffer")
         pool = self._side if layout.side_bytes <= self._side.size else self._bounce
-        with pool.take_addressed() if layout.side_bytes else _no_side() as (side, side_at):
+        no_side = contextlib.nullcontext((memoryview(b""), 0))
+        with pool.take_addressed() if layout.side_bytes else no_side as (side, side_at):
             iovecs = [side[at:at + n] if i < 0 else _view(layout.landings[i])[at:at + n]
                       for i, at, n in layout.segments]
             try:
@@ -246,11 +247,6 @@ class DirectRead:
 def _view(landing: Landing) -> memoryview:
     assert landing.view is not None  # only pieces with a destination are read in place
     return landing.view
-
-
-@contextlib.contextmanager
-def _no_side() -> Iterator[tuple[memoryview, int]]:
-    yield memoryview(b""), 0
 
 
 def _settle(landing: Landing, side_at: int, progress: _Progress) -> None:

@@ -11,6 +11,7 @@ import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,7 +24,15 @@ from dcp_plus.storage.direct_extents import PIECE, read_bounce_pool, read_side_p
 from dcp_plus.storage.direct_landing import MIN_IN_PLACE, lay_out
 from dcp_plus.storage.direct_read import DIRECT_ALIGN, address
 from dcp_plus.storage.direct_store import DirectFileStore
-from tests.conftest import assert_bit_exact, flip_byte, load, load_fails, random_tensor, save
+from tests.conftest import (
+    assert_bit_exact,
+    flip_byte,
+    load,
+    load_fails,
+    random_tensor,
+    read_record_json,
+    save,
+)
 
 A = DIRECT_ALIGN
 GUARD = 0xA5
@@ -54,6 +63,25 @@ def _guarded(lengths: list[int], shifts: list[int]) -> tuple[mmap.mmap, list[mem
     buf = mmap.mmap(-1, at + A)
     buf.write(bytes([GUARD]) * len(buf))
     return buf, [memoryview(buf)[s : s + n] for s, n in zip(spots, lengths, strict=True)]
+
+
+def _file_and_destinations(tmp_path: Path, seed: int, tail: int = 0) -> tuple[
+        list[tuple[int, int]], bytes, mmap.mmap, list[memoryview]]:
+    """:func:`_layouts`' extents in a data file ``f.dcpp`` of random bytes (``tail`` more
+    after the last), and their guarded destinations."""
+    extents, shifts = _layouts(seed)
+    data = random.Random(seed).randbytes(max(off + n for off, n in extents) + tail)
+    (tmp_path / "f.dcpp").write_bytes(data)
+    buf, views = _guarded([n for _, n in extents], shifts)
+    return extents, data, buf, views
+
+
+def _assert_only_destinations_written(buf: mmap.mmap, views: list[memoryview]) -> None:
+    guard = bytearray(buf)
+    for v in views:
+        at = address(v) - address(buf)
+        guard[at : at + len(v)] = bytes([GUARD]) * len(v)
+    assert guard == bytes([GUARD]) * len(buf), "a read wrote outside its destination"
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -91,11 +119,7 @@ def test_a_layout_tiles_the_request_with_aligned_segments_each_inside_its_piece(
 
 @pytest.mark.parametrize("seed", range(12))
 def test_reads_in_place_are_exact_and_write_nothing_outside_the_destinations(tmp_path, seed):
-    extents, shifts = _layouts(seed)
-    size = max(off + n for off, n in extents)
-    data = random.Random(seed).randbytes(size + 777)
-    (tmp_path / "f.dcpp").write_bytes(data)
-    buf, views = _guarded([n for _, n in extents], shifts)
+    extents, data, buf, views = _file_and_destinations(tmp_path, seed, tail=777)
     store = DirectFileStore(str(tmp_path), direct_io=True)
     assert store.uses_direct("f.dcpp")
     sums: dict[int, str | None] = {}
@@ -106,11 +130,7 @@ def test_reads_in_place_are_exact_and_write_nothing_outside_the_destinations(tmp
     for k, (off, n) in enumerate(extents):
         assert bytes(views[k]) == data[off : off + n], k
         assert sums[k] == checksum_bytes(data[off : off + n])
-    guard = bytearray(buf)
-    for v in views:
-        at = address(v) - address(buf)
-        guard[at : at + len(v)] = bytes([GUARD]) * len(v)
-    assert guard == bytes([GUARD]) * len(buf), "a read wrote outside its destination"
+    _assert_only_destinations_written(buf, views)
 
 
 def _big_state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -119,6 +139,15 @@ def _big_state(seed: int = 0) -> dict[str, torch.Tensor]:
             "bf16": random_tensor((1031, 1033), torch.bfloat16, gen),
             "f32": random_tensor((3, 5, 70001), torch.float32, gen),
             "c64": random_tensor((MIN_IN_PLACE // 8 + 1,), torch.complex64, gen)}
+
+
+def _saved_big_state(tmp_path: Path, seed: int) -> tuple[dict[str, torch.Tensor], Path,
+                                                          dict[str, Any]]:
+    """:func:`_big_state` saved to ``tmp_path/ck``, and the record's extent of ``w``."""
+    sd = _big_state(seed)
+    ck = tmp_path / "ck"
+    save(sd, ck)
+    return sd, ck, next(r for r in read_record_json(ck)["extents"] if r["fqn"] == "w")
 
 
 def test_a_restore_into_torch_tensors_maps_no_bounce_buffer(tmp_path, caplog):
@@ -179,12 +208,7 @@ def test_tied_and_overlapping_tensors_are_not_read_in_place_and_load_exact(tmp_p
 
 
 def test_a_flipped_byte_in_a_piece_read_in_place_is_detected_naming_the_tensor(tmp_path):
-    from tests.conftest import read_record_json
-
-    sd = _big_state(3)
-    ck: Path = tmp_path / "ck"
-    save(sd, ck)
-    row = next(r for r in read_record_json(ck)["extents"] if r["fqn"] == "w")
+    sd, ck, row = _saved_big_state(tmp_path, 3)
     for pos in (row["offset"], row["offset"] + PIECE - 1, row["offset"] + row["length"] - 1):
         flip_byte(ck / row["file"], pos)
         try:
@@ -222,11 +246,7 @@ def test_a_load_with_more_requests_in_flight_than_pooled_buffers_is_exact(tmp_pa
 def test_concurrent_reads_of_split_extents_stay_inside_their_destinations(tmp_path,
                                                                          monkeypatch):
     monkeypatch.setattr(direct_extents, "PIECE", 128 << 10)  # extents cut over requests
-    extents, shifts = _layouts(7)
-    size = max(off + n for off, n in extents)
-    data = random.Random(7).randbytes(size)
-    (tmp_path / "f.dcpp").write_bytes(data)
-    buf, views = _guarded([n for _, n in extents], shifts)
+    extents, data, buf, views = _file_and_destinations(tmp_path, 7)
     store = DirectFileStore(str(tmp_path), direct_io=True)
     with ThreadPoolExecutor(4 + direct_extents.COPIERS) as pool:
         store.read_direct([("f.dcpp", off, n) for off, n in extents], views.__getitem__,
@@ -234,21 +254,13 @@ def test_concurrent_reads_of_split_extents_stay_inside_their_destinations(tmp_pa
     store.close()
     for k, (off, n) in enumerate(extents):
         assert bytes(views[k]) == data[off : off + n], k
-    guard = bytearray(buf)
-    for v in views:
-        at = address(v) - address(buf)
-        guard[at : at + len(v)] = bytes([GUARD]) * len(v)
-    assert guard == bytes([GUARD]) * len(buf)
+    _assert_only_destinations_written(buf, views)
 
 
 def test_a_file_cut_inside_a_body_read_in_place_names_file_and_tensor(tmp_path):
-    from tests.conftest import read_record_json
     from tests.unit.test_direct_read import TruncatingPlanner
 
-    sd = _big_state(5)
-    ck: Path = tmp_path / "ck"
-    save(sd, ck)
-    row = next(r for r in read_record_json(ck)["extents"] if r["fqn"] == "w")
+    sd, ck, row = _saved_big_state(tmp_path, 5)
     planner = TruncatingPlanner(ck / row["file"], row["offset"] + PIECE // 2 + 5)
     msg = load_fails({k: torch.zeros_like(v) for k, v in sd.items()}, ck, planner,
                      direct_io=True)

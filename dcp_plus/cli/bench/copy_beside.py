@@ -9,12 +9,11 @@ thread copies, so it is a floor only while a ``memmove`` outruns the device.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import threading
 from types import TracebackType
 
-from dcp_plus.storage.buffers import aligned_buffer
+from dcp_plus.storage.buffers import aligned_buffer, fault_in
 from dcp_plus.storage.direct_read import address, copy_bytes
 
 BESIDE = 256 << 20
@@ -32,7 +31,7 @@ def beside_buffers() -> tuple[mmap.mmap, mmap.mmap]:
     while len(_BUFFERS) < 2:
         buf = aligned_buffer(BESIDE)
         buf.madvise(mmap.MADV_NOHUGEPAGE)
-        ctypes.memset(address(memoryview(buf)), 0, BESIDE)
+        fault_in(buf)
         _BUFFERS.append(buf)
     return _BUFFERS[0], _BUFFERS[1]
 
