@@ -222,8 +222,9 @@ def test_repeated_saves_leave_threads_fds_workers_and_slabs_flat(tmp_path, slab)
         return (threading.active_count(), len(os.listdir("/proc/self/fd")), len(worker_pids()),
                 sum(n.startswith(shm_prefix) for n in os.listdir(SHM_DIR)))
 
-    for i in range(3):
+    for i in range(3):  # the steady state: every buffer pool (and its idle timer) in use
         save(sd, tmp_path / f"warm{i}", fsync=False)
+        load(load_target(sd), tmp_path / f"warm{i}")
     before, fds_before = resources(), _fd_targets()
     for i in range(30):
         save(sd, tmp_path / f"s{i}", fsync=False)
