@@ -98,3 +98,16 @@ def test_empty_values_load_wherever_they_were_placed(tmp_path):
                 "also": io.BytesIO(b"junk"), "step": 0}, tmp_path / "ckpt")
     assert out["blob"].getvalue() == b"x" * 5000 and out["step"] == 3
     assert out["empty"].getvalue() == b"" and out["also"].getvalue() == b""
+
+
+def test_a_value_allowed_only_inside_a_safe_globals_block_is_refused_after_it(tmp_path):
+    # the save-time check remembers safe values: the memory must not outlive the allow-list
+    # that made a value safe, nor let the second save of an unsafe value through
+    for i in range(2):
+        with pytest.raises(CheckpointException, match="'obj'"):
+            save({"obj": Opaque(5)}, tmp_path / f"before{i}")
+    with torch.serialization.safe_globals([Opaque]):
+        for i in range(2):
+            save({"obj": Opaque(5)}, tmp_path / f"inside{i}")
+    with pytest.raises(CheckpointException, match="'obj'"):
+        save({"obj": Opaque(5)}, tmp_path / "after")
