@@ -16,15 +16,25 @@ read limit      the files of the round's bounce-path checkpoint read with O_DIRE
                 tensors are 64-byte aligned, O_DIRECT wants 512 here), which must pass once
                 through aligned buffers
 slab            ``dcp.save`` of the state staged in a registered slab, ``LocalWriter(workers=2)``
-                whose workers wrote the slab before (a training job's second checkpoint on)
+                whose workers wrote the slab before, and a ``CachedSavePlanner`` that planned
+                it before (a training job's second checkpoint on, as the README plugs us in)
 slab, new workers   the same, the worker pool restarted just before (a job's first checkpoint)
-bounce          plain ``dcp.save`` of the state with ``LocalWriter()``: aligned bounce buffers,
-                mapped afresh as for a save minutes after the last (the pool unmaps them after
-                a minute unused)
+bounce          ``dcp.save`` of the state itself (not staged) with ``LocalWriter()`` and a
+                warm ``CachedSavePlanner``: aligned bounce buffers, mapped afresh as for a save
+                minutes after the last (the pool unmaps them after a minute unused)
+bounce, DCP's planner   the same with DCP's ``DefaultSavePlanner`` (plain ``dcp.save``: what
+                earlier sessions' "bounce" rows measured)
 verified load   ``dcp.load`` of that checkpoint into the state (zeroed first, checked after)
                 with ``LocalReader`` (checksums verified) and ``SafeLoadPlanner``; read bounce
                 and side buffers mapped afresh, as for a job's restore (its processes' first
                 load)
+
+Each limit is the best of 1, 2 and 4 streams, judged two ways. Per round, the best of that
+round's three (``/ its round's limit``): the minimum of three noisy samples, which on a device
+whose rate moves 10-20 % between transfers sits below any one transfer's typical time, so a case
+measured once per round carries that bias in its ratio. And per stream count: the count whose
+median over rounds is the best, each round's case over that count's transfer in the same round
+(``/ best stream count``).
 
 Every case starts from a dropped page cache (``drop_caches``, or evicting the benchmark's files
 when not root) after ``--settle`` seconds. Within a round the write limits and the saves, and
@@ -50,13 +60,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from benchmarks.save_load import SlabState, data_files
 from dcp_plus.cli.bench.copy_beside import CopyBeside, beside_buffers
 from dcp_plus.cli.bench.limits import STREAMS, direct_read, pwrite_files, ring_buffers
 from dcp_plus.cli.bench.machine import drop_caches, load1, machine
 from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors, state_dict_nbytes
-from dcp_plus.planners import SafeLoadPlanner
+from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.readers import LocalReader
 from dcp_plus.shm import SHM_DIR
 from dcp_plus.storage.direct import bounce_pool
@@ -64,11 +75,12 @@ from dcp_plus.storage.direct_extents import read_bounce_pool, read_side_pool
 from dcp_plus.writers import LocalWriter
 from dcp_plus.writers.pool import shared_pool, shutdown_pool
 
-SAVES = ("slab", "slab, new workers", "bounce")
+SAVES = ("slab", "slab, new workers", "bounce", "bounce, DCP's planner")
 CASES = (*SAVES, "verified load")
 LIMITS = ("write limit", "write limit + copy", "read limit", "read limit + copy")
 JUDGED = {"slab": ("write limit",), "slab, new workers": ("write limit",),
           "bounce": ("write limit", "write limit + copy"),
+          "bounce, DCP's planner": ("write limit", "write limit + copy"),
           "verified load": ("read limit", "read limit + copy")}
 """Each case's limits: the slab path sends the slab's own pages, the others copy."""
 
@@ -90,6 +102,9 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.slab = SlabState(self.sd)
         self.root = tempfile.mkdtemp(prefix="dcpp-rounds-", dir=args.dir)
         self.samples: dict[str, list[float]] = {c: [] for c in (*LIMITS, *CASES)}
+        self.by_streams: dict[str, dict[int, list[float]]] = {
+            lim: {k: [] for k in STREAMS} for lim in LIMITS}
+        self.planners = {"slab": CachedSavePlanner(), "bounce": CachedSavePlanner()}
         self.drop_method = "?"
 
     def prepare(self) -> None:
@@ -101,6 +116,7 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.rings = ring_buffers(max(STREAMS))
         beside_buffers()
         self._save_slab(True)
+        self._save_bounce()  # its planner's first save
 
     def _timed(self, fn: Callable[[], object]) -> float:
         """``fn``'s seconds, from a dropped page cache after ``--settle`` seconds."""
@@ -123,13 +139,14 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         d = self._dir("slab")
         return self._timed(lambda: dcp.save(self.slab.state,
                                             storage_writer=LocalWriter(d, workers=2),
-                                            no_dist=True))
+                                            planner=self.planners["slab"], no_dist=True))
 
-    def _save_bounce(self) -> float:
+    def _save_bounce(self, dcp_planner: bool = False) -> float:
         d = self._dir("bounce")
         bounce_pool.release_idle()
+        planner = DefaultSavePlanner() if dcp_planner else self.planners["bounce"]
         return self._timed(lambda: dcp.save(self.sd, storage_writer=LocalWriter(d),
-                                            no_dist=True))
+                                            planner=planner, no_dist=True))
 
     def _load(self) -> float:
         for _, t in iter_tensors(self.sd):
@@ -143,10 +160,11 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
             raise RuntimeError("the verified load did not restore the state it saved")
         return s
 
-    def _best_of_streams(self, transfer: Callable[[int], object], copy: bool,
+    def _best_of_streams(self, limit: str, transfer: Callable[[int], object], copy: bool,
                          after: Callable[[int], object] = lambda k: None) -> float:
         """The best time of ``transfer(k)`` over :data:`STREAMS`, each inside a
-        :class:`CopyBeside` of the state's byte count with ``copy``; ``after(k)`` untimed."""
+        :class:`CopyBeside` of the state's byte count with ``copy``; ``after(k)`` untimed.
+        Each ``k``'s time is kept under ``limit`` in :attr:`by_streams`."""
         def one(k: int) -> float:
             beside = CopyBeside(self.nbytes) if copy else contextlib.nullcontext()
 
@@ -154,23 +172,28 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
                 with beside:
                     transfer(k)
             try:
-                return self._timed(run)
+                s = self._timed(run)
             finally:
                 after(k)
+            self.by_streams[limit][k].append(s)
+            return s
         return min(one(k) for k in STREAMS)
 
     def _write_limit(self, copy: bool) -> float:
         dirs = {k: self._dir(f"limit{k}") for k in STREAMS}
         for d in dirs.values():
             os.makedirs(d)
+        name = "write limit + copy" if copy else "write limit"
         return self._best_of_streams(
-            lambda k: pwrite_files(None, self.nbytes, dirs[k], k, True, self.rings[:k]), copy,
+            name, lambda k: pwrite_files(None, self.nbytes, dirs[k], k, True, self.rings[:k]),
+            copy,
             after=lambda k: shutil.rmtree(dirs[k], ignore_errors=True))
 
     def _read_limit(self, copy: bool) -> float:
         files = data_files(os.path.join(self.root, "bounce"))
-        return self._best_of_streams(lambda k: direct_read(files, k, None, self.rings[:k]),
-                                     copy)
+        name = "read limit + copy" if copy else "read limit"
+        return self._best_of_streams(name,
+                                     lambda k: direct_read(files, k, None, self.rings[:k]), copy)
 
     def run_round(self, i: int) -> dict[str, float]:
         """Every case once (the order flipped in odd rounds); their seconds by name."""
@@ -181,6 +204,7 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
             "slab": lambda: self._save_slab(False),
             "slab, new workers": lambda: self._save_slab(True),
             "bounce": self._save_bounce,
+            "bounce, DCP's planner": lambda: self._save_bounce(dcp_planner=True),
             # the reads need the bounce checkpoint
             "read limit": lambda: self._read_limit(False),
             "read limit + copy": lambda: self._read_limit(True),
@@ -199,6 +223,19 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
                                                        strict=True)]
                 for c in CASES for lim in JUDGED[c]}
 
+    def best_streams(self, limit: str) -> int:
+        """The stream count whose median time over rounds is the best for ``limit``."""
+        return min(STREAMS, key=lambda k: statistics.median(self.by_streams[limit][k]))
+
+    def ratios_by_streams(self) -> dict[str, list[float]]:
+        """Per case and each of its limits, by round, the case's time over the same round's
+        transfer at the limit's :meth:`best_streams`."""
+        return {f"{c} / {lim} ({self.best_streams(lim)} streams)": [
+                    a / b for a, b in zip(self.samples[c],
+                                          self.by_streams[lim][self.best_streams(lim)],
+                                          strict=True)]
+                for c in CASES for lim in JUDGED[c]}
+
     def __exit__(self, *exc: Any) -> None:
         shutdown_pool()  # its workers map the slab
         shutil.rmtree(self.root, ignore_errors=True)
@@ -210,9 +247,16 @@ def _report(r: Rounds) -> None:
     for name in (*LIMITS, *CASES):
         x = r.samples[name]
         print(f"| {name} | {statistics.median(x):.3f} ({min(x):.3f}-{max(x):.3f}) |")
-    print("\n| case / its round's limit | median (min-max) |\n|---|---|")
-    for name, x in r.ratios().items():
-        print(f"| {name} | **{statistics.median(x):.3f}x** ({min(x):.2f}-{max(x):.2f}) |")
+    print("\n| limit, by stream count | " + " | ".join(f"{k}" for k in STREAMS)
+          + " |\n|---|" + "---|" * len(STREAMS))
+    for lim in LIMITS:
+        print(f"| {lim} | " + " | ".join(f"{statistics.median(r.by_streams[lim][k]):.3f}"
+                                         for k in STREAMS) + " |")
+    for title, ratios in (("its round's limit", r.ratios()),
+                          ("best stream count", r.ratios_by_streams())):
+        print(f"\n| case / {title} | median (min-max) |\n|---|---|")
+        for name, x in ratios.items():
+            print(f"| {name} | **{statistics.median(x):.3f}x** ({min(x):.2f}-{max(x):.2f}) |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -242,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"args": vars(args), "machine": machine(), "nbytes": r.nbytes,
                        "shm_dir": SHM_DIR, "first_stage_s": r.first_stage_s,
                        "cache_drop": r.drop_method, "samples": r.samples,
-                       "ratios": r.ratios()}, f, indent=1)
+                       "by_streams": r.by_streams, "ratios": r.ratios(),
+                       "ratios_by_streams": r.ratios_by_streams()}, f, indent=1)
 
 
 if __name__ == "__main__":
