@@ -36,6 +36,7 @@ from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_nam
 from dcp_plus.format.values import byte_view, check_loads_safely
 from dcp_plus.readers.extents import (
     aligned_bytes,
+    batches_by_file,
     check_digest,
     check_extent_bounds,
     describe,
@@ -46,6 +47,7 @@ from dcp_plus.readers.placement import place_objects
 from dcp_plus.readers.raw_bytes import deliver_bytesio
 from dcp_plus.readers.refused import RefusedRecord
 from dcp_plus.storage.direct_extents import ExtentEOFError
+from dcp_plus.storage.direct_landing import MayShift
 from dcp_plus.storage.fanout import fan_out
 from dcp_plus.storage.location import StoreClient
 from dcp_plus.storage.objectio import ExtentStore
@@ -133,14 +135,16 @@ class ExtentReader(StoreClient, StorageReader):
         if referenced:
             check_references(self, self._siblings(), referenced)
 
-    def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str) -> None:
-        """Fill each ``(offset, buffer)`` from data file ``name``; ``what`` names the items.
+    def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str,
+              may_shift: MayShift | None = None) -> None:
+        """Fill each ``(offset, buffer)`` from data file ``name`` (``may_shift``: from
+        :meth:`_shift_check`); ``what`` names the items.
 
         Raises:
             CorruptCheckpointError: the file ends before an extent does.
         """
         try:
-            self._store.read(name, reads)
+            self._read_file(name, reads, may_shift)
         except EOFError as e:
             raise CorruptCheckpointError(
                 f"{e} while reading {what}: truncated {self._unit}") from None
@@ -231,22 +235,7 @@ class ExtentReader(StoreClient, StorageReader):
         if isinstance(self._store, ExtentStore):
             self._read_pipelined(self._store.read_extents, by_extent, planner)
             return
-        per_file: dict[str, list[MetadataIndex]] = defaultdict(list)
-        for idx in by_extent:
-            per_file[self._extent(idx).file].append(idx)
-        batches = []
-        for name, idxs in per_file.items():
-            idxs.sort(key=lambda i: self._extent(i).offset)
-            batch: list[MetadataIndex] = []
-            size = 0
-            for i in idxs:
-                batch.append(i)
-                size += self._extent(i).length
-                if size >= BATCH_BYTES:
-                    batches.append((name, batch))
-                    batch, size = [], 0
-            if batch:
-                batches.append((name, batch))
+        batches = batches_by_file(by_extent, self._extent, BATCH_BYTES)
         with ThreadPoolExecutor(self.threads, thread_name_prefix="dcpp-read") as pool:
             fan_out(lambda batch: self._read_batch(*batch, by_extent, planner), batches, pool)
 
@@ -301,6 +290,14 @@ class ExtentReader(StoreClient, StorageReader):
                    f"{describe(batch[0])} and {len(batch) - 1} more")
         for index, (buf, finish) in zip(batch, targets, strict=True):
             self._deliver(index, buf, finish)
+
+    def _read_file(self, name: str, reads: list[tuple[int, memoryview]],
+                   may_shift: MayShift | None) -> None:
+        self._store.read(name, reads)  # stores reading in place take ``may_shift`` too
+
+    def _shift_check(self, planner: LoadPlanner) -> MayShift | None:
+        """Where in ``planner``'s memory reads may land shifted (none: the default)."""
+        return None
 
     def _dtype_name(self, index: MetadataIndex) -> str | None:
         chunk = self._chunks.get(index)

@@ -4,6 +4,7 @@ extent is named in messages."""
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import torch
@@ -93,3 +94,26 @@ def aligned_bytes(n: int) -> torch.Tensor:
 def describe(index: MetadataIndex) -> str:
     chunk = "" if index.offset is None or not any(index.offset) else f" chunk {list(index.offset)}"
     return f"tensor {index.fqn!r}{chunk}"
+
+
+def batches_by_file(indexes: Iterable[MetadataIndex], extent: Callable[[MetadataIndex], Extent],
+                    limit: int) -> list[tuple[str, list[MetadataIndex]]]:
+    """``indexes`` by data file in offset order, cut into batches of about ``limit`` bytes
+    (a batch ends with the extent that reaches it)."""
+    per_file: dict[str, list[MetadataIndex]] = defaultdict(list)
+    for i in indexes:
+        per_file[extent(i).file].append(i)
+    batches = []
+    for name, idxs in per_file.items():
+        idxs.sort(key=lambda i: extent(i).offset)
+        batch: list[MetadataIndex] = []
+        size = 0
+        for i in idxs:
+            batch.append(i)
+            size += extent(i).length
+            if size >= limit:
+                batches.append((name, batch))
+                batch, size = [], 0
+        if batch:
+            batches.append((name, batch))
+    return batches

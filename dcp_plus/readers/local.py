@@ -17,6 +17,7 @@ from dcp_plus.readers.base import ExtentReader, describe
 from dcp_plus.readers.solo_memory import may_shift_for
 from dcp_plus.storage.direct import DirectIO, direct_io_problem
 from dcp_plus.storage.direct_extents import COPIERS
+from dcp_plus.storage.direct_landing import MayShift
 from dcp_plus.storage.direct_store import DirectFileStore
 from dcp_plus.storage.fileio import read_regular
 from dcp_plus.storage.urls import is_url
@@ -97,9 +98,16 @@ class LocalReader(ExtentReader):
             super()._read_extents(by_extent, planner)
             return
         self._read_pipelined(partial(store.read_direct, streams=self.threads,
-                                     hashed=self.verify, may_shift=may_shift_for(planner)),
+                                     hashed=self.verify, may_shift=self._shift_check(planner)),
                              by_extent, planner,
                              threads=self.threads + COPIERS)
+
+    def _shift_check(self, planner: LoadPlanner) -> MayShift | None:
+        return may_shift_for(planner)
+
+    def _read_file(self, name: str, reads: list[tuple[int, memoryview]],
+                   may_shift: MayShift | None) -> None:
+        cast(DirectFileStore, self._store).read(name, reads, may_shift)
 
     def _location(self, name: str) -> str:
         return os.path.join(self.path, name)

@@ -17,6 +17,7 @@ from dcp_plus.errors import CorruptCheckpointError
 from dcp_plus.format.codecs import get_codec
 from dcp_plus.format.delta import apply_delta
 from dcp_plus.format.parts import DELTA_CODEC, Part, part_hash
+from dcp_plus.storage.direct_landing import MayShift
 from dcp_plus.storage.fanout import fan_out, gather
 
 Source = Callable[[str | None], Any]
@@ -38,6 +39,8 @@ class PartBatch:
     """Parts to fill, and the reads they need, grouped by ``(checkpoint, file)``."""
 
     verify: bool
+    may_shift: MayShift | None = None
+    """Which destinations reads may pass through shifted (``ExtentReader._shift_check``)."""
     nodes: list[_Node] = field(default_factory=list)
     reads: dict[tuple[str | None, str], list[tuple[int, memoryview]]] = field(
         default_factory=lambda: defaultdict(list))
@@ -72,7 +75,8 @@ class PartBatch:
         batch's reads overlap this one's decoding."""
         def read(key: tuple[str | None, str]) -> None:
             reads = sorted(self.reads[key], key=lambda r: r[0])
-            source(key[0])._fill(key[1], reads, f"the parts of {self._what(key)}")
+            source(key[0])._fill(key[1], reads, f"the parts of {self._what(key)}",
+                                 self.may_shift)
 
         self._pending = [pool.submit(read, key) for key in self.reads]
 

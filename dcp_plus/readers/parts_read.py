@@ -23,6 +23,7 @@ from dcp_plus.format.extent import Extent, extent_identity
 from dcp_plus.format.parts import Part, parts_digest, spans
 from dcp_plus.readers.extents import check_digest, check_extent_bounds, describe
 from dcp_plus.readers.part_fill import PartBatch
+from dcp_plus.storage.direct_landing import MayShift
 
 
 class ExtentReader(Protocol):
@@ -39,7 +40,9 @@ class ExtentReader(Protocol):
     def _close_store(self) -> None: ...
     def _location(self, name: str) -> str: ...
     def _extent(self, index: MetadataIndex) -> Extent: ...
-    def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str) -> None: ...
+    def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str,
+              may_shift: MayShift | None = None) -> None: ...
+    def _shift_check(self, planner: LoadPlanner) -> MayShift | None: ...
     def _read_extents(self, by_extent: dict[MetadataIndex, list[ReadItem]],
                       planner: LoadPlanner) -> None: ...
     def _raw_destination(self, index: MetadataIndex, ext: Extent, reqs: list[ReadItem],
@@ -105,8 +108,9 @@ def read_parts(reader: ExtentReader, siblings: Siblings,
     """Read, verify (``reader.verify``) and deliver the extents of ``by_extent``, each of
     which :func:`needs_parts`: parts in batches of :data:`BATCH_BYTES`, each extent
     delivered once its last batch is done."""
+    may_shift = reader._shift_check(planner)  # the destinations are the same for siblings
     with ThreadPoolExecutor(reader.threads, thread_name_prefix="dcpp-parts") as pool:
-        batch = PartBatch(reader.verify)
+        batch = PartBatch(reader.verify, may_shift)
         waiting: list[Callable[[], None]] = []
         previous: tuple[PartBatch, list[Callable[[], None]]] | None = None
 
@@ -116,7 +120,7 @@ def read_parts(reader: ExtentReader, siblings: Siblings,
             if previous is not None:
                 _finish(*previous, siblings, pool)
             previous = batch, waiting
-            batch, waiting = PartBatch(reader.verify), []
+            batch, waiting = PartBatch(reader.verify, may_shift), []
 
         for index, reqs in by_extent.items():
             ext = reader._extent(index)

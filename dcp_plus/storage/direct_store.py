@@ -74,13 +74,15 @@ class DirectFileStore(LocalFileStore):
             self._refused(name, refusal)
         return fd
 
-    def read(self, name: str, reads: Sequence[tuple[int, memoryview]]) -> None:
-        """Fill each ``(offset, buffer)``; EOFError when the file ends first."""
+    def read(self, name: str, reads: Sequence[tuple[int, memoryview]],
+             may_shift: MayShift | None = None) -> None:
+        """Fill each ``(offset, buffer)``; EOFError when the file ends first. ``may_shift``:
+        as for :meth:`read_direct`."""
         if not self.uses_direct(name):
             super().read(name, reads)
             return
         self.read_direct([(name, off, len(buf)) for off, buf in reads],
-                         lambda k: reads[k][1], lambda k, checksum: None)
+                         lambda k: reads[k][1], lambda k, checksum: None, may_shift=may_shift)
 
     def read_direct(self, extents: Sequence[tuple[str, int, int]],
                     open_extent: Callable[[int], memoryview], done: Done,
