@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import re
-import threading
 from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
@@ -57,34 +57,33 @@ def unsafe_reason(error: Exception) -> str:
     return f"{type(error).__name__}: {_ANSI.sub('', reason).strip()}"
 
 
-_SAFE_VALUES: dict[tuple[bytes, tuple[object, ...]], None] = {}
-"""Serialized values seen to load with ``weights_only=True``, with torch's user allow-list at
-the time, oldest first: a save checks the same few dozen optimizer hyperparameters every time,
-at 0.2 ms each."""
-_SAFE_KEEP, _SAFE_MAX_BYTES = 4096, 4096
-_safe_lock = threading.Lock()
+_REMEMBERED_BYTES = 4096
+"""Values up to this size have their verdict remembered: a save checks the same few dozen
+optimizer hyperparameters every time, at 0.2 ms each."""
+
+
+@functools.lru_cache(maxsize=4096)
+def _refusal(data: bytes, allow_list: tuple[object, ...]) -> str | None:
+    """Why ``torch.load(weights_only=True)`` refuses ``data``, or None; ``allow_list`` (torch's
+    user allow-list, which ``safe_globals`` blocks change) is part of the cache key only."""
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:
+        return unsafe_reason(e)
+    return None
 
 
 def check_loads_safely(fqn: str, data: bytes) -> None:
     """Refuse a serialized value that ``torch.load(weights_only=True)`` would reject."""
-    key = (data, tuple(get_safe_globals()))  # allow-lists change (``safe_globals`` blocks)
-    if key in _SAFE_VALUES:
-        return
-    try:
-        torch.load(io.BytesIO(data), weights_only=True)
-    except Exception as e:
+    check = _refusal if len(data) <= _REMEMBERED_BYTES else _refusal.__wrapped__
+    reason = check(data, tuple(get_safe_globals()))
+    if reason is not None:
         raise UnsafeValueError(
             f"value {fqn!r} does not load with torch.load(weights_only=True) "
-            f"({unsafe_reason(e)}); dcp_plus refuses to store or unpickle it. Use tensors, "
+            f"({reason}); dcp_plus refuses to store or unpickle it. Use tensors, "
             "numbers, strings, io.BytesIO, or lists/dicts of them; or pass allow_pickle=True "
             "to the writer to store it anyway (it then loads only with allow_pickle=True on "
-            "the reader and a planner that unpickles)"
-        ) from None
-    if len(data) <= _SAFE_MAX_BYTES:
-        with _safe_lock:
-            if len(_SAFE_VALUES) >= _SAFE_KEEP:
-                del _SAFE_VALUES[next(iter(_SAFE_VALUES))]
-            _SAFE_VALUES[key] = None
+            "the reader and a planner that unpickles)")
 
 
 class RawBytesIO(io.BytesIO):

@@ -219,19 +219,21 @@ class ExtentReader(StoreClient, StorageReader):
         for req in plan.items:
             by_extent[req.storage_index].append(req)
         parts = {i: r for i, r in by_extent.items() if needs_parts(self._extent(i))}
+        may_shift = self._shift_check(planner)  # once per load: it walks the state dict
         if parts:
             by_extent = {i: r for i, r in by_extent.items() if i not in parts}
-            read_parts(self, self._siblings(), parts, planner, self._dtype_name)
-        self._read_extents(by_extent, planner)
+            read_parts(self, self._siblings(), parts, planner, self._dtype_name, may_shift)
+        self._read_extents(by_extent, planner, may_shift)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
     def _read_extents(self, by_extent: dict[MetadataIndex, list[ReadItem]],
-                      planner: LoadPlanner) -> None:
+                      planner: LoadPlanner, may_shift: MayShift | None = None) -> None:
         """Read, verify and deliver every extent of ``by_extent``: as one pipeline of requests
         where the store reads that way, else per data file in batches of up to
-        ``BATCH_BYTES`` filled by :meth:`_fill` on ``threads`` threads."""
+        ``BATCH_BYTES`` filled by :meth:`_fill` on ``threads`` threads (``may_shift``: from
+        :meth:`_shift_check`, for stores that read in place)."""
         if isinstance(self._store, ExtentStore):
             self._read_pipelined(self._store.read_extents, by_extent, planner)
             return

@@ -91,14 +91,14 @@ class LocalReader(ExtentReader):
         return DirectFileStore(self.path, direct_io=self.direct_io)
 
     def _read_extents(self, by_extent: dict[MetadataIndex, list[ReadItem]],
-                      planner: LoadPlanner) -> None:
+                      planner: LoadPlanner, may_shift: MayShift | None = None) -> None:
         store = cast(DirectFileStore, self._store)
         first = next((self._extent(i).file for i in by_extent if self._extent(i).length), None)
         if first is None or not store.uses_direct(first):
-            super()._read_extents(by_extent, planner)
+            super()._read_extents(by_extent, planner, may_shift)
             return
         self._read_pipelined(partial(store.read_direct, streams=self.threads,
-                                     hashed=self.verify, may_shift=self._shift_check(planner)),
+                                     hashed=self.verify, may_shift=may_shift),
                              by_extent, planner,
                              threads=self.threads + COPIERS)
 

@@ -40,7 +40,7 @@ class PartBatch:
 
     verify: bool
     may_shift: MayShift | None = None
-    """Which destinations reads may pass through shifted (``ExtentReader._shift_check``)."""
+    """Which destinations reads may pass through shifted (the reader's ``_shift_check``)."""
     nodes: list[_Node] = field(default_factory=list)
     reads: dict[tuple[str | None, str], list[tuple[int, memoryview]]] = field(
         default_factory=lambda: defaultdict(list))

@@ -42,9 +42,8 @@ class ExtentReader(Protocol):
     def _extent(self, index: MetadataIndex) -> Extent: ...
     def _fill(self, name: str, reads: list[tuple[int, memoryview]], what: str,
               may_shift: MayShift | None = None) -> None: ...
-    def _shift_check(self, planner: LoadPlanner) -> MayShift | None: ...
     def _read_extents(self, by_extent: dict[MetadataIndex, list[ReadItem]],
-                      planner: LoadPlanner) -> None: ...
+                      planner: LoadPlanner, may_shift: MayShift | None = None) -> None: ...
     def _raw_destination(self, index: MetadataIndex, ext: Extent, reqs: list[ReadItem],
                          planner: LoadPlanner) -> tuple[memoryview, Callable[[], None]]: ...
 
@@ -104,11 +103,12 @@ BATCH_BYTES = 64 << 20
 
 def read_parts(reader: ExtentReader, siblings: Siblings,
                by_extent: dict[MetadataIndex, list[ReadItem]], planner: LoadPlanner,
-               dtype_of: Callable[[MetadataIndex], str | None]) -> None:
+               dtype_of: Callable[[MetadataIndex], str | None],
+               may_shift: MayShift | None = None) -> None:
     """Read, verify (``reader.verify``) and deliver the extents of ``by_extent``, each of
     which :func:`needs_parts`: parts in batches of :data:`BATCH_BYTES`, each extent
-    delivered once its last batch is done."""
-    may_shift = reader._shift_check(planner)  # the destinations are the same for siblings
+    delivered once its last batch is done; ``may_shift``: which destinations reads may
+    pass through shifted (the reader's ``_shift_check``; the same for every sibling)."""
     with ThreadPoolExecutor(reader.threads, thread_name_prefix="dcpp-parts") as pool:
         batch = PartBatch(reader.verify, may_shift)
         waiting: list[Callable[[], None]] = []
