@@ -6,11 +6,12 @@ import io
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from dcp_plus._compat.torch_dcp import set_element
 from dcp_plus.errors import UnsafeCheckpointError
 from dcp_plus.format.values import RawBytesIO, unsafe_reason
+from dcp_plus.planners.whole_reads import whole_reads
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -25,6 +26,15 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """
 
     loads_raw_bytesio = True
+
+    def create_local_plan(self) -> LoadPlan:
+        """DCP's default local plan; built directly (no resharding sweep) when every
+        tensor is read whole from one stored chunk of its own shape."""
+        if self.metadata is not None:
+            items = whole_reads(self.state_dict, self.metadata, not self.allow_partial_load)
+            if items is not None:
+                return LoadPlan(items)
+        return super().create_local_plan()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
