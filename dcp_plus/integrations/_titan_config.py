@@ -82,7 +82,7 @@ class DcpPlusConfig(CheckpointManager.Config):
     (``auto``: where the file system takes it, logged once where not; ``on``: the same,
     the fallback a warning; ``off``: buffered writes)."""
 
-    writer_streams: int = 2
+    writer_streams: int = 4
     """LocalWriter: ``O_DIRECT`` writes in flight per rank."""
 
     writer_max_bytes_per_s: float | None = None
