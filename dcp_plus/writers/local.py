@@ -48,9 +48,8 @@ class LocalWriter(CommittingWriter):
             systems such as tmpfs, some network or FUSE ones) the save is written buffered and
             one line says why (INFO for ``"auto"``, WARNING for ``True``); a refusal never
             fails a save. ``False``: plain buffered writes, left in the page cache.
-        streams: ``O_DIRECT`` writes kept in flight per rank (default 4: on the dev VM's
-            disks 2 did as well on one instance and 20 % worse on another, bounce writes
-            most): spread over the files written in parallel (``workers`` slab files,
+        streams: ``O_DIRECT`` writes kept in flight per rank (default 4: on the dev VM, as
+            fast as 2 on a slow disk and 12-22 % faster on a fast one): spread over the files written in parallel (``workers`` slab files,
             ``threads`` other ones); when there are fewer files than streams, one file is
             written by several streams at distinct offsets (preallocated with ``fallocate``).
         worker_nice: CPU niceness of the worker processes (0-19, default 10), so that a

@@ -49,10 +49,11 @@ def test_the_plan_of_a_saved_state_is_built_directly_and_equals_dcps(tmp_path):
 def test_stored_chunks_that_are_not_the_whole_tensor_are_planned_by_dcp():
     metadata = Metadata({
         "halves": _tensor_md([4, 2], [([0, 0], [2, 2]), ([2, 0], [2, 2])]),
-        "offset": _tensor_md([3], [([0], [3])]),
+        "whole": _tensor_md([3], [([0], [3])]),
         "value": BytesStorageMetadata(),
     })
-    state = {"halves": torch.zeros(4, 2), "offset": torch.zeros(3), "value": 0}
+    state = {"halves": torch.zeros(4, 2), "whole": torch.zeros(3), "value": 0}
+    assert whole_reads_module.whole_reads(state, metadata, True) is None
     planner, plan = _planned(state, metadata)
     want = create_default_local_load_plan(planner.state_dict, metadata, True).items
     assert plan.items == want
