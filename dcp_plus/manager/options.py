@@ -171,7 +171,7 @@ class LocalWriterOptions(_Writing):
     bytes in the page cache; a file system that refuses it (tmpfs, some network or FUSE file
     systems) is written buffered and logged once (WARNING for ``True``). ``False``: buffered."""
 
-    streams: int = _setting(2, minimum=1)
+    streams: int = _setting(4, minimum=1)
     """``O_DIRECT`` writes in flight per rank (several per file when fewer files than
     streams are written at once)."""
 
