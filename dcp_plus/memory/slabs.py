@@ -8,7 +8,9 @@ address up in the registry and, when it lives in a slab, hand worker processes a
 
 from __future__ import annotations
 
+import atexit
 import bisect
+import contextlib
 import mmap
 import os
 import threading
@@ -20,6 +22,21 @@ import torch
 from dcp_plus.shm import SHM_DIR as SHM_DIR  # re-exported: the tiers read it from here
 
 PREFIX = "dcpp-"
+
+_unclosed: dict[str, int] = {}
+"""Names of the slabs this process created and has not closed, with the creating pid."""
+
+
+@atexit.register
+def _unlink_unclosed() -> None:
+    # Shared memory outlives the process: a script that ends without closing its stager
+    # would leave its staging memory (the state's size) in /dev/shm until the next stager on
+    # the node removes orphans. A forked child inherits the table; only the creator unlinks.
+    pid = os.getpid()
+    for name, creator in list(_unclosed.items()):
+        if creator == pid:
+            with contextlib.suppress(OSError):
+                os.unlink(_slab_path(name))
 
 
 def _slab_path(name: str) -> str:
@@ -57,6 +74,8 @@ class Slab:
             raise
         os.close(fd)
         self.address = torch.frombuffer(self._mmap, dtype=torch.uint8).data_ptr()
+        if self.owner:
+            _unclosed[self.name] = os.getpid()
 
     @property
     def buffer(self) -> memoryview:
@@ -89,7 +108,8 @@ class Slab:
         return not os.path.exists(os.path.join(SHM_DIR, self.name))
 
     def close(self) -> None:
-        """Drop this handle's mapping; the creator also unlinks the name. Idempotent.
+        """Drop this handle's mapping; the creator also unlinks the name (at the latest when
+        its process exits normally). Idempotent.
 
         The memory itself is unmapped when the last tensor made by :meth:`tensor` is gone
         (``torch.frombuffer`` keeps a reference to the mapping, not a buffer export, so an
@@ -98,6 +118,7 @@ class Slab:
         self._mmap = None
         if self.owner:
             self.owner = False
+            _unclosed.pop(self.name, None)
             try:
                 os.unlink(_slab_path(self.name))
             except FileNotFoundError:
