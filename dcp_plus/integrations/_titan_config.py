@@ -18,6 +18,7 @@ from torchtitan.components.checkpointer import CheckpointManager
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.manager.increments import IncrementalOptions
 from dcp_plus.stagers.device_copy import check_device_copy
+from dcp_plus.storage.direct import DEFAULT_STREAMS
 from dcp_plus.storage.rate import shaping_problem
 from dcp_plus.storage.urls import is_url
 from dcp_plus.tiers import TierOptions
@@ -82,7 +83,7 @@ class DcpPlusConfig(CheckpointManager.Config):
     (``auto``: where the file system takes it, logged once where not; ``on``: the same,
     the fallback a warning; ``off``: buffered writes)."""
 
-    writer_streams: int = 4
+    writer_streams: int = DEFAULT_STREAMS
     """LocalWriter: ``O_DIRECT`` writes in flight per rank."""
 
     writer_max_bytes_per_s: float | None = None

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.format.codecs import Codec, resolve_codec
 from dcp_plus.format.key_prefix import KeyPrefixes
-from dcp_plus.storage.direct import DirectIO, direct_io_problem
+from dcp_plus.storage.direct import DEFAULT_STREAMS, DirectIO, direct_io_problem
 from dcp_plus.storage.rate import rate_problem
 from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES, part_bytes_problem
 
@@ -171,7 +171,7 @@ class LocalWriterOptions(_Writing):
     bytes in the page cache; a file system that refuses it (tmpfs, some network or FUSE file
     systems) is written buffered and logged once (WARNING for ``True``). ``False``: buffered."""
 
-    streams: int = _setting(4, minimum=1)
+    streams: int = _setting(DEFAULT_STREAMS, minimum=1)
     """``O_DIRECT`` writes in flight per rank (several per file when fewer files than
     streams are written at once)."""
 

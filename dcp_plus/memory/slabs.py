@@ -23,18 +23,26 @@ from dcp_plus.shm import SHM_DIR as SHM_DIR  # re-exported: the tiers read it fr
 
 PREFIX = "dcpp-"
 
-_unclosed: dict[str, int] = {}
-"""Names of the slabs this process created and has not closed, with the creating pid."""
+_unclosed: set[str] = set()
+"""Names of the slabs this process created and has not closed."""
+
+
+def _creator(name: str) -> int | None:
+    """The pid a slab name carries (its creator's), or None for a name not made here."""
+    try:
+        return int(name[len(PREFIX):].split("-", 1)[0])
+    except ValueError:
+        return None
 
 
 @atexit.register
 def _unlink_unclosed() -> None:
     # Shared memory outlives the process: a script that ends without closing its stager
     # would leave its staging memory (the state's size) in /dev/shm until the next stager on
-    # the node removes orphans. A forked child inherits the table; only the creator unlinks.
+    # the node removes orphans. A forked child inherits the set; only the creator unlinks.
     pid = os.getpid()
-    for name, creator in list(_unclosed.items()):
-        if creator == pid:
+    for name in list(_unclosed):
+        if _creator(name) == pid:
             with contextlib.suppress(OSError):
                 os.unlink(_slab_path(name))
 
@@ -75,7 +83,7 @@ class Slab:
         os.close(fd)
         self.address = torch.frombuffer(self._mmap, dtype=torch.uint8).data_ptr()
         if self.owner:
-            _unclosed[self.name] = os.getpid()
+            _unclosed.add(self.name)
 
     @property
     def buffer(self) -> memoryview:
@@ -118,7 +126,7 @@ class Slab:
         self._mmap = None
         if self.owner:
             self.owner = False
-            _unclosed.pop(self.name, None)
+            _unclosed.discard(self.name)
             try:
                 os.unlink(_slab_path(self.name))
             except FileNotFoundError:
@@ -194,13 +202,11 @@ def remove_orphans() -> list[str]:
     """
     removed = []
     for name in os.listdir(SHM_DIR):
-        if not name.startswith(PREFIX):
+        pid = _creator(name) if name.startswith(PREFIX) else None
+        if pid is None:
             continue
         try:
-            pid = int(name[len(PREFIX):].split("-", 1)[0])
             os.kill(pid, 0)
-        except ValueError:
-            continue
         except ProcessLookupError:
             try:
                 os.unlink(os.path.join(SHM_DIR, name))

@@ -1,9 +1,9 @@
 """A load's local plan built directly when every tensor is read whole, as DCP would plan it.
 
 DCP's ``create_default_local_load_plan`` runs its resharding sweep for every tensor (~10 us
-each on the dev VM: 12 ms for a model's 1,168 tensors, before the first byte is read). When a plain
-tensor was saved as one chunk of its own shape, the sweep can only find one read of the whole
-tensor; this module writes that read item directly. Anything else (DTensors and other
+each on the dev VM: 12 ms for a model's 1,168 tensors, before the first byte is read). When
+a plain tensor was saved as one chunk of its own shape, the sweep can only find one read of
+the whole tensor; this module writes that read item directly. Anything else (DTensors and other
 subclasses, sharded or resharded chunks, a size that differs, keys only one side has) leaves
 the whole plan to DCP, which also raises DCP's own errors for it.
 """

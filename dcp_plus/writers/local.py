@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
-from dcp_plus.storage.direct import DirectIO, check_direct_io, use_direct
+from dcp_plus.storage.direct import DEFAULT_STREAMS, DirectIO, check_direct_io, use_direct
 from dcp_plus.storage.fanout import Threads
 from dcp_plus.storage.localfs import LocalFileStore
 from dcp_plus.storage.rate import Bucket
@@ -48,9 +48,9 @@ class LocalWriter(CommittingWriter):
             systems such as tmpfs, some network or FUSE ones) the save is written buffered and
             one line says why (INFO for ``"auto"``, WARNING for ``True``); a refusal never
             fails a save. ``False``: plain buffered writes, left in the page cache.
-        streams: ``O_DIRECT`` writes kept in flight per rank (default 4: on the dev VM, as
-            fast as 2 on a slow disk and 12-22 % faster on a fast one): spread over the files written in parallel (``workers`` slab files,
-            ``threads`` other ones); when there are fewer files than streams, one file is
+        streams: ``O_DIRECT`` writes kept in flight per rank (default
+            :data:`~dcp_plus.storage.direct.DEFAULT_STREAMS`, 4): spread over the files
+            written in parallel (``workers`` slab files, ``threads`` other ones); when there are fewer files than streams, one file is
             written by several streams at distinct offsets (preallocated with ``fallocate``).
         worker_nice: CPU niceness of the worker processes (0-19, default 10), so that a
             persist running beside training yields the cores to the training step.
@@ -94,7 +94,7 @@ class LocalWriter(CommittingWriter):
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = False, workers: int = 2,
                  threads: int = 2, fsync: bool = True, direct_io: DirectIO = "auto",
-                 streams: int = 4,
+                 streams: int = DEFAULT_STREAMS,
                  worker_nice: int = DEFAULT_NICE, max_bytes_per_s: float | None = None,
                  stagger: float = 0.0, codec: str | Codec = "identity",
                  codecs: Mapping[str, str | Codec] | None = None,

@@ -58,3 +58,30 @@ def test_a_forked_childs_exit_leaves_its_parents_slabs():
     name, kept_after_child = lines
     assert kept_after_child == "True"
     assert not os.path.exists(os.path.join(SHM_DIR, name))  # the parent's own exit unlinked it
+
+
+def test_remove_orphans_unlinks_only_the_slabs_of_dead_creators():
+    from dcp_plus.memory.slabs import Slab, remove_orphans
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent("""
+            import sys
+            from dcp_plus.memory.slabs import Slab
+            print(Slab(4096).name, flush=True)
+            sys.stdin.read()
+        """)], env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    orphan = child.stdout.readline().strip()
+    child.kill()  # SIGKILL: no exit handler runs
+    child.wait()
+    live = Slab(4096)
+    foreign = os.path.join(SHM_DIR, "dcpp-notapid-0")
+    open(foreign, "wb").close()
+    try:
+        assert os.path.exists(os.path.join(SHM_DIR, orphan))
+        assert orphan in remove_orphans()
+        assert not os.path.exists(os.path.join(SHM_DIR, orphan))
+        assert os.path.exists(os.path.join(SHM_DIR, live.name)) and os.path.exists(foreign)
+    finally:
+        live.close()
+        os.unlink(foreign)
