@@ -34,9 +34,11 @@ def fault_in(buf: mmap.mmap) -> None:
     ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(buf)), 0, len(buf))
 
 
-def transfer_buffer(nbytes: int) -> mmap.mmap:
+def transfer_buffer(nbytes: int, fault: bool = True) -> mmap.mmap:
     """Zeroed, private anonymous memory of at least ``nbytes`` for O_DIRECT transfers, backed
-    by transparent huge pages where the kernel gives them, faulted in now.
+    by transparent huge pages where the kernel gives them, faulted in now (``fault``) or
+    2 MiB at a time as it is first touched (a large buffer used for a small file then costs
+    only the pages it takes).
 
     A device request carries a bounded number of memory segments (254 on virtio-blk): from
     scattered 4 KiB pages a request tops out near 1 MiB, from 2 MiB pages at the device's
@@ -47,7 +49,8 @@ def transfer_buffer(nbytes: int) -> mmap.mmap:
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(AttributeError, OSError):  # no THP here: 4 KiB pages
         buf.madvise(mmap.MADV_HUGEPAGE)
-    fault_in(buf)
+    if fault:
+        fault_in(buf)
     return buf
 
 

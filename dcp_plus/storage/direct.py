@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -22,7 +23,7 @@ import uuid
 from collections.abc import Callable
 from typing import Literal
 
-from dcp_plus.storage.buffers import ALIGN, BufferPool
+from dcp_plus.storage.buffers import ALIGN, BufferPool, transfer_buffer
 from dcp_plus.storage.fileio import pwrite_all
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,16 @@ def check_direct_io(owner: str, value: object) -> DirectIO:
     return value  # type: ignore[return-value]
 
 
-BOUNCE_BYTES = 4 << 20
-bounce_pool = BufferPool(BOUNCE_BYTES)
-"""The process's bounce buffers (one per write stream in flight, a few kept for reuse)."""
+BOUNCE_BYTES = 64 << 20
+"""Bytes per O_DIRECT write of the bounce path. One 64 MiB ``pwrite`` reaches the device as
+16 requests of 4 MiB (its largest) submitted together; 4 MiB ones go one at a time. On the
+dev VM (a virtual disk, whose every submission costs the host CPU our copies compete for)
+a plain ``dcp.save`` of 8 GiB took 3.06 s instead of 3.82 s, 1.17x the write limit instead
+of 1.45x (``docs/benchmarks.md``, ninth session)."""
+bounce_pool = BufferPool(BOUNCE_BYTES, keep=DEFAULT_STREAMS,
+                         make=functools.partial(transfer_buffer, fault=False))
+"""The process's bounce buffers (one per write stream in flight, as many as a rank's
+default streams kept for reuse, faulted in as used: a small file maps only what it fills)."""
 
 
 # -- does this file system take O_DIRECT? ---------------------------------------------------

@@ -5,6 +5,7 @@ bytes left in the page cache, crashes and corruption handled as with buffered wr
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ from dcp_plus.storage.buffers import ALIGN, aligned_buffer
 from dcp_plus.storage.direct import (
     BOUNCE_BYTES,
     DirectFile,
+    bounce_pool,
     clear_probe_cache,
     direct_refusal,
     resident_pages,
@@ -334,3 +336,32 @@ def test_bounce_chunks_assemble_tensor_and_bytes_items_across_chunk_boundaries(t
     path.touch()
     write_segments(str(path), segments, size, direct=True, streams=streams, fsync=True)
     assert path.read_bytes() == bytes(expected)
+
+
+def _resident_bytes_of(view: memoryview) -> int:
+    """Bytes of anonymous memory ``view`` (page-aligned) that are mapped in (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    pages = len(view) // ALIGN
+    vec = (ctypes.c_ubyte * pages)()
+    at = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    assert libc.mincore(at, len(view), vec) == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) * ALIGN
+
+
+def test_a_small_bounce_write_maps_only_the_bounce_memory_it_fills(tmp_path):
+    """Bounce buffers are large (one request per 64 MiB): a file of a few KiB must not fault
+    in all of one (that would be the buffer's size per stream for every small save)."""
+    probe_ok(tmp_path)
+    bounce_pool.release_idle()
+    path = tmp_path / "small.bin"
+    path.touch()
+    data = aligned_buffer(3 * ALIGN)
+    data[:] = os.urandom(len(data))
+    write_segments(str(path), [(0, memoryview(data))], len(data), direct=True, streams=1,
+                   fsync=True)
+    assert path.read_bytes() == bytes(data)
+    assert bounce_pool.idle == 1
+    with bounce_pool.take() as view:  # the buffer that write used
+        assert len(view) == BOUNCE_BYTES
+        assert _resident_bytes_of(view) <= 2 << 20  # one huge page at most
