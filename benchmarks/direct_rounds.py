@@ -20,8 +20,8 @@ slab            ``dcp.save`` of the state staged in a registered slab, ``LocalWr
                 it before (a training job's second checkpoint on, as the README plugs us in)
 slab, new workers   the same, the worker pool restarted just before (a job's first checkpoint)
 bounce          ``dcp.save`` of the state itself (not staged) with ``LocalWriter()`` and a
-                warm ``CachedSavePlanner``: aligned bounce buffers, mapped afresh as for a save
-                minutes after the last (the pool unmaps them after a minute unused)
+                warm ``CachedSavePlanner``: aligned bounce buffers, kept from the save before
+                (the pool keeps them for the process's life, as the stager keeps its slabs)
 bounce, DCP's planner   the same with DCP's ``DefaultSavePlanner`` (plain ``dcp.save``: what
                 earlier sessions' "bounce" rows measured)
 verified load   ``dcp.load`` of that checkpoint into the state (zeroed first, checked after)
@@ -70,7 +70,6 @@ from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors, state_
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.readers import LocalReader
 from dcp_plus.shm import SHM_DIR
-from dcp_plus.storage.direct import bounce_pool
 from dcp_plus.storage.direct_extents import read_bounce_pool, read_side_pool
 from dcp_plus.writers import LocalWriter
 from dcp_plus.writers.pool import shared_pool, shutdown_pool
@@ -143,7 +142,6 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
 
     def _save_bounce(self, dcp_planner: bool = False) -> float:
         d = self._dir("bounce")
-        bounce_pool.release_idle()
         planner = DefaultSavePlanner() if dcp_planner else self.planners["bounce"]
         return self._timed(lambda: dcp.save(self.sd, storage_writer=LocalWriter(d),
                                             planner=planner, no_dist=True))
