@@ -63,8 +63,8 @@ BOUNCE_BYTES = 64 << 20
 """Bytes per O_DIRECT write of the bounce path. One 64 MiB ``pwrite`` reaches the device as
 16 requests of 4 MiB (its largest) submitted together; 4 MiB ones go one at a time. On the
 dev VM (a virtual disk, whose every submission costs the host CPU our copies compete for)
-a plain ``dcp.save`` of 8 GiB took 3.06 s instead of 3.82 s, 1.17x the write limit instead
-of 1.45x (``docs/benchmarks.md``, ninth session)."""
+a plain ``dcp.save`` of 8 GiB took 3.00 s instead of 3.26 s, 1.08x the write limit instead
+of 1.18x (``benchmarks.bounce_chunks``; ``docs/benchmarks.md``, ninth session)."""
 bounce_pool = BufferPool(BOUNCE_BYTES, keep=DEFAULT_STREAMS, idle_s=None,
                          make=functools.partial(transfer_buffer, fault=False))
 """The process's bounce buffers: one per write stream in flight, faulted in as they are filled
