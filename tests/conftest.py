@@ -354,16 +354,18 @@ def wait_for_file(path: str | os.PathLike, timeout: float = 120) -> bool:
     return True
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str,
+def wait_until(predicate: Callable[[], Any], timeout: float, what: str | Callable[[], str],
                interval: float = 0.01) -> Any:
-    """Poll ``predicate`` until truthy; fail the test naming ``what`` after ``timeout`` s."""
+    """Poll ``predicate`` until truthy; fail the test naming ``what`` after ``timeout`` s
+    (a callable ``what`` is asked then, to describe the state that did not come)."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for "
+                        f"{what() if callable(what) else what}")
         time.sleep(interval)
 
 

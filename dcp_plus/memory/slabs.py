@@ -29,6 +29,8 @@ _unclosed: set[str] = set()
 
 def _creator(name: str) -> int | None:
     """The pid a slab name carries (its creator's), or None for a name not made here."""
+    if not name.startswith(PREFIX):
+        return None
     try:
         return int(name[len(PREFIX):].split("-", 1)[0])
     except ValueError:
@@ -202,7 +204,7 @@ def remove_orphans() -> list[str]:
     """
     removed = []
     for name in os.listdir(SHM_DIR):
-        pid = _creator(name) if name.startswith(PREFIX) else None
+        pid = _creator(name)
         if pid is None:
             continue
         try:

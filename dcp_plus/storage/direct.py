@@ -320,10 +320,7 @@ def _mincore(path: str) -> tuple[bytes, int]:
         if addr in (None, ctypes.c_void_p(-1).value):
             raise OSError(ctypes.get_errno(), "mmap failed", path)
         try:
-            vec = (ctypes.c_ubyte * pages)()
-            if _libc.mincore(addr, size, vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed", path)
-            return bytes(vec).translate(_BIT0), size
+            return mapped_pages(addr, size, path), size
         finally:
             _libc.munmap(addr, size)
     finally:
@@ -331,6 +328,16 @@ def _mincore(path: str) -> tuple[bytes, int]:
 
 
 _BIT0 = bytes(i & 1 for i in range(256))
+
+
+def mapped_pages(address: int, size: int, what: str = "memory") -> bytes:
+    """Per page of the mapping ``[address, address + size)`` (page-aligned), 1 where it is in
+    memory, else 0 (``mincore``: a file's page cache, an anonymous buffer's faulted-in pages);
+    ``what`` names the mapping in the error."""
+    vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    if _libc.mincore(address, size, vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed", what)
+    return bytes(vec).translate(_BIT0)
 
 
 def resident_pages(path: str) -> tuple[int, int]:

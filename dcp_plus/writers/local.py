@@ -50,8 +50,9 @@ class LocalWriter(CommittingWriter):
             fails a save. ``False``: plain buffered writes, left in the page cache.
         streams: ``O_DIRECT`` writes kept in flight per rank (default
             :data:`~dcp_plus.storage.direct.DEFAULT_STREAMS`, 4): spread over the files
-            written in parallel (``workers`` slab files, ``threads`` other ones); when there are fewer files than streams, one file is
-            written by several streams at distinct offsets (preallocated with ``fallocate``).
+            written in parallel (``workers`` slab files, ``threads`` other ones); when there
+            are fewer files than streams, one file is written by several streams at
+            distinct offsets (preallocated with ``fallocate``).
         worker_nice: CPU niceness of the worker processes (0-19, default 10), so that a
             persist running beside training yields the cores to the training step.
         max_bytes_per_s: cap on the rate at which this rank's data bytes reach storage,

@@ -35,6 +35,7 @@ from dcp_plus.storage.direct import (
     bounce_pool,
     clear_probe_cache,
     direct_refusal,
+    mapped_pages,
     resident_pages,
     use_direct,
 )
@@ -338,17 +339,6 @@ def test_bounce_chunks_assemble_tensor_and_bytes_items_across_chunk_boundaries(t
     assert path.read_bytes() == bytes(expected)
 
 
-def _resident_bytes_of(view: memoryview) -> int:
-    """Bytes of anonymous memory ``view`` (page-aligned) that are mapped in (``mincore``)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    pages = len(view) // ALIGN
-    vec = (ctypes.c_ubyte * pages)()
-    at = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    assert libc.mincore(at, len(view), vec) == 0, os.strerror(ctypes.get_errno())
-    return sum(b & 1 for b in vec) * ALIGN
-
-
 def test_a_small_bounce_write_maps_only_the_bounce_memory_it_fills(tmp_path):
     """Bounce buffers are large (one request per 64 MiB): a file of a few KiB must not fault
     in all of one (that would be the buffer's size per stream for every small save)."""
@@ -364,4 +354,5 @@ def test_a_small_bounce_write_maps_only_the_bounce_memory_it_fills(tmp_path):
     assert bounce_pool.idle == 1
     with bounce_pool.take() as view:  # the buffer that write used
         assert len(view) == BOUNCE_BYTES
-        assert _resident_bytes_of(view) <= 2 << 20  # one huge page at most
+        at = ctypes.addressof(ctypes.c_char.from_buffer(view))
+        assert mapped_pages(at, len(view)).count(1) * ALIGN <= 2 << 20  # one huge page at most

@@ -8,7 +8,6 @@ import shutil
 import signal
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -233,15 +232,10 @@ def test_repeated_saves_leave_threads_fds_workers_and_slabs_flat(tmp_path, slab)
         load(load_target(sd), tmp_path / f"s{i}")
     # a thread pool collected just now (a reader's, an idle timer's) may still be ending its
     # threads: give them a moment; a leaked thread, fd or segment stays
-    deadline = time.monotonic() + 10
-    after = resources()
-    while any(a > b for a, b in zip(after, before, strict=True)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        after = resources()
-
-    assert all(a <= b for a, b in zip(after, before, strict=True)), \
-        (before, after, _fd_targets() - fds_before, threads_before,
-         sorted(t.name for t in threading.enumerate()))
+    wait_until(lambda: all(a <= b for a, b in zip(resources(), before, strict=True)), 10,
+               lambda: (f"threads, fds, workers, segments back to {before}: {resources()}; "
+                        f"new fds {_fd_targets() - fds_before}; threads {threads_before} -> "
+                        f"{sorted(t.name for t in threading.enumerate())}"), interval=0.05)
 
 
 def _fd_targets() -> set[str]:
