@@ -26,15 +26,10 @@ from dcp_plus._gc import gc_paused
 from dcp_plus.errors import CheckpointExistsError, CheckpointFormatError, DcpPlusError
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
+from dcp_plus.format.extent import Extent
 from dcp_plus.format.extent_set import extent_files
-from dcp_plus.format.layout import is_data_file
 from dcp_plus.format.parts import CHUNKED
-from dcp_plus.format.record import (
-    MAX_RECORD_BYTES,
-    RECORD_NAME,
-    decode_record,
-    encode_record,
-)
+from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
 from dcp_plus.memory.slabs import SlabRef
 from dcp_plus.storage.location import StoreClient, sibling_name
@@ -42,6 +37,7 @@ from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.rate import Bucket, check_shaping, shared_bucket, stagger_delay
 from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES, ChunkSpec
 from dcp_plus.writers.codec_choice import CodecChoice
+from dcp_plus.writers.commit_files import own_files, replaced_files
 from dcp_plus.writers.extent_tables import (
     build_extents,
     collect_extents,
@@ -78,7 +74,8 @@ class CommittingWriter(StoreClient, StorageWriter):
     the tensor count; the coordinator reads the tables back in ``finish``, writes the record,
     and (``overwrite=True``) then removes the data files of the record it replaced, and only
     those: files of any other save (one still running, or one that crashed) are never
-    touched. A failed ``write_data`` removes the files of its own save.
+    touched. A failed ``write_data``, and a commit refused because another save committed
+    there first, removes the files of its own save (a fenced writer removes nothing).
 
     Args (shared by every writer):
         overwrite, codec, codecs, fence, allow_pickle, max_bytes_per_s, stagger: see
@@ -301,8 +298,20 @@ class CommittingWriter(StoreClient, StorageWriter):
         sums.update(outcomes)
         return sums
 
+    def _discard(self, extents: Mapping[MetadataIndex, Extent], tables: list[str]) -> None:
+        """Before a refused or failed commit returns: every file of this save (all ranks'
+        data files and extent tables)."""
+        files = own_files(extents)
+        try:
+            self._place({f: p for f, p in files.items() if p is not None})
+        except (ValueError, DcpPlusError) as e:
+            log.warning("%s: the files of the save %s that did not commit stay in place: %s",
+                        self.checkpoint_id, self.save_id, e)
+            return
+        self._remove_own_files(sorted(files) + tables)
+
     def _remove_own_files(self, names: list[str]) -> None:
-        """After a failed write: the files this save made. A failure here is logged, not
+        """After a failed write or commit: the files this save made. A failure here is logged, not
         raised over the error that got us here."""
         if not names:
             return
@@ -340,15 +349,21 @@ class CommittingWriter(StoreClient, StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         record = encode_record(metadata, extents)
         if len(record) > MAX_RECORD_BYTES:  # no reader would accept it: never commit it
+            self._discard(extents, tables)
             raise CheckpointFormatError(
                 f"{self.checkpoint_id}: the commit record would be {len(record)} bytes, more "
                 f"than readers accept ({MAX_RECORD_BYTES}); save fewer items, or with "
                 "incremental checkpoints larger parts or shorter chains (full_every)")
         keep = self.increments is not None and self.increments.keep_replaced
-        replaced = self._replaced_files() if self.overwrite and not keep else set()
+        replaced = set() if keep or not self.overwrite else replaced_files(
+            store.get(RECORD_NAME), self.checkpoint_id, isinstance(store, Placed), self._place)
         if self.fence is not None:
-            self.fence()  # a writer fenced off while this save ran must not commit it
+            # a writer fenced off while this save ran must not commit it, nor remove anything:
+            # the root is the new holder's, whose start-up clean-up takes this save's files
+            self.fence()
+        # a put that raises may still have committed: its files stay (not so a refused one)
         if not store.put(RECORD_NAME, record, if_absent=not self.overwrite):
+            self._discard(extents, tables)
             raise CheckpointExistsError(self._exists_message() + " (it was committed while "
                                         "this save was running)")
         store.delete(tables)
@@ -357,32 +372,6 @@ class CommittingWriter(StoreClient, StorageWriter):
             store.delete(stale)
             log.info("%s: removed %d data files of the checkpoint this commit replaced",
                      self.checkpoint_id, len(stale))
-
-    def _replaced_files(self) -> set[str]:
-        """The data files of the record this save will replace."""
-        data = self._store.get(RECORD_NAME)
-        if data is None:
-            return set()
-        try:
-            old = decode_record(data, f"{self.checkpoint_id}/.metadata")
-        except DcpPlusError as e:  # a stock DCP pickle, or damaged: keep its files
-            log.warning("%s: the commit record being replaced is not readable (%s); its data "
-                        "files are left in place", self.checkpoint_id, e)
-            return set()
-        files = {e.file: e.prefix for e in old.storage_data.values()
-                 if e.base is None and is_data_file(e.file)}
-        placed = {f: p for f, p in files.items() if p is not None}
-        if placed and not isinstance(self._store, Placed):  # not ours: a hostile record
-            log.warning("%s: the replaced commit record names key prefixes; the files under "
-                        "them are left in place", self.checkpoint_id)
-            return {f for f, p in files.items() if p is None}
-        try:
-            self._place(placed)
-        except ValueError as e:  # a hostile record (a prefix this location cannot take)
-            log.warning("%s: the replaced commit record's key prefixes are refused (%s); the "
-                        "files under them are left in place", self.checkpoint_id, e)
-            return {f for f, p in files.items() if p is None}
-        return set(files)
 
     def close(self) -> None:
         """Release this writer's store and threads (reopened on next use). The shared worker

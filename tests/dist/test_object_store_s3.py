@@ -18,7 +18,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_plus import (
-    CheckpointExistsError,
     ObjectStoreReader,
     ObjectStoreWriter,
     SafeLoadPlanner,
@@ -159,15 +158,25 @@ def test_existing_checkpoint_is_kept_unless_overwrite(seaweed: SeaweedServer,
 
 
 def test_record_commit_refuses_a_concurrent_commit(seaweed: SeaweedServer, prefix: str) -> None:
-    """Two writers pass the existence check; only the first commit record is accepted."""
+    """Two saves pass the existence check; only the first commit record is accepted, and the
+    refused save removes its own objects."""
     url = f"s3://{BUCKET}/{prefix}"
-    a = ObjectStoreWriter(url, seaweed.storage_options())
-    b = ObjectStoreWriter(url, seaweed.storage_options())
-    a.set_up_storage_writer(True, rank=0)
-    b.set_up_storage_writer(True, rank=0)
-    dcp.save({"w": torch.ones(10)}, storage_writer=a)
-    with pytest.raises(CheckpointExistsError, match="committed while this save was running"):
-        b.finish(dcp.metadata.Metadata(state_dict_metadata={}), [])
+    winner = {"w": torch.ones(10)}
+    objects: list[str] = []
+
+    class Racing(ObjectStoreWriter):
+        def finish(self, metadata: Any, results: Any) -> None:
+            dcp.save(winner, storage_writer=ObjectStoreWriter(url, seaweed.storage_options()))
+            objects.extend(keys(seaweed, prefix))
+            super().finish(metadata, results)
+
+    with pytest.raises(BaseException, match="CheckpointExistsError.*committed while this save"):
+        dcp.save({"w": torch.zeros(100_000)},
+                 storage_writer=Racing(url, seaweed.storage_options()))
+    assert len(objects) > len(keys(seaweed, prefix)) == 2  # the winner's record and data
+    out = {"w": torch.zeros(10)}
+    dcp.load(out, storage_reader=ObjectStoreReader(url, seaweed.storage_options()))
+    assert torch.equal(out["w"], winner["w"])
 
 
 def test_save_completes_bit_exact_through_resets_and_503s(seaweed: SeaweedServer,

@@ -113,3 +113,23 @@ def test_a_record_committed_meanwhile_is_never_replaced_without_overwrite(tmp_pa
     with pytest.raises(CheckpointException, match="CheckpointExistsError"):
         dcp.save({"w": torch.ones(4)}, storage_writer=Racing(ckpt), no_dist=True)
     assert record_path(ckpt).read_bytes() == b"the other job's record"
+
+
+@pytest.mark.parametrize("in_slabs", [False, True], ids=["bounce", "slab-workers"])
+def test_a_refused_commit_leaves_only_the_winners_files(tmp_path, slab, in_slabs):
+    """Two saves into one new folder: the one that commits second is refused, and takes its
+    data files and extent tables with it."""
+    ckpt = tmp_path / "ckpt"
+    winner = build_state_dict(seed=1)
+    loser = slab_state_dict(slab)[0] if in_slabs else build_state_dict(seed=2)
+
+    class Racing(LocalWriter):
+        def finish(self, metadata, results):  # the other save commits as this one is done
+            save(winner, ckpt)
+            return super().finish(metadata, results)
+
+    with pytest.raises(CheckpointException, match="CheckpointExistsError"):
+        dcp.save(loser, storage_writer=Racing(ckpt, workers=1), no_dist=True)
+    assert data_files(ckpt) == referenced_files(ckpt)
+    assert sorted(os.listdir(ckpt)) == sorted(data_files(ckpt) | {".metadata"})
+    assert_bit_exact(load(load_target(winner), ckpt), winner)
