@@ -65,12 +65,12 @@ BOUNCE_BYTES = 64 << 20
 dev VM (a virtual disk, whose every submission costs the host CPU our copies compete for)
 a plain ``dcp.save`` of 8 GiB took 3.00 s instead of 3.26 s, 1.08x the write limit instead
 of 1.18x (``benchmarks.bounce_chunks``; ``docs/benchmarks.md``, ninth session)."""
-bounce_pool = BufferPool(BOUNCE_BYTES, keep=DEFAULT_STREAMS, idle_s=None,
+bounce_pool = BufferPool(BOUNCE_BYTES, keep=DEFAULT_STREAMS + 1, idle_s=None,
                          make=functools.partial(transfer_buffer, fault=False))
-"""The process's bounce buffers: one per write stream in flight, faulted in as they are filled
-(a small file maps only what it takes). As many as a rank's default streams are kept for the
-process's life, as the stager keeps its slabs: a process that saved will save again, and
-mapping 256 MiB afresh costs each save 0.03 s on the dev VM when the host still backs the
+"""The process's bounce buffers: one per write stream in flight and one being filled, faulted
+in as they are filled (a small file maps only what it takes). As many as a rank's default
+streams use are kept for the process's life, as the stager keeps its slabs: a process that
+saved will save again, and mapping 320 MiB afresh costs each save 0.03 s on the dev VM when the host still backs the
 memory and 0.3-0.5 s once the guest has handed it back (free page reporting)."""
 
 

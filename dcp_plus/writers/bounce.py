@@ -2,7 +2,7 @@
 
 Tensor memory is rarely 4 KiB-aligned, so the file is assembled chunk by chunk in
 page-aligned buffers (items at their offsets, zeros between them) and each chunk is written
-with O_DIRECT; ``streams`` chunks are in flight at once. The file's last < 4 KiB go through
+with O_DIRECT; ``streams`` chunks are in flight at once while the next is assembled. The file's last < 4 KiB go through
 the page cache before the fsync, so the file ends exactly at its last byte.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from dcp_plus.storage.direct import BOUNCE_BYTES, DirectFile, bounce_pool
@@ -24,36 +25,96 @@ def _bytes(data: memoryview) -> memoryview:
     return data.cast("B") if data.format != "B" or data.ndim != 1 else data
 
 
+RAMP = (4 << 20, 8 << 20, 16 << 20, 32 << 20)
+"""The chunk lengths a write starts with, and ends with in reverse (each once per stream),
+around :data:`~dcp_plus.storage.direct.BOUNCE_BYTES` chunks. Every stream first copies its
+chunk and only then writes it: four 64 MiB copies at once on two cores held the first write
+back 25-30 ms, four 4 MiB ones hold it back ~2 ms. At the end, short chunks let the streams
+finish within a few ms of each other instead of up to one 64 MiB write apart."""
+
+COPIERS = 1
+"""Threads beyond ``streams``: one assembles its next chunk while ``streams`` others write,
+so a stream that finishes a write starts the next at once instead of first copying 64 MiB.
+With :data:`RAMP`, plain ``dcp.save`` went from 1.168x to 1.133x the write limit at 2 GiB
+(10 rounds) and from 1.171x to 1.110x at 8 GiB (3 rounds; ``docs/benchmarks.md``, tenth
+session)."""
+
+BounceFile = tuple[str, Segments, int]
+"""``(path, (offset, bytes) segments not overlapping, final size)`` of one file."""
+
+
 def write_segments(path: str, segments: Segments, size: int, *, direct: bool, streams: int,
                    fsync: bool, pace: Callable[[int], None] | None = None) -> None:
-    """Write ``(offset, bytes)`` ``segments`` (not overlapping) into the existing empty file
-    ``path`` of final length ``size``, fsync it (``fsync``) and drop it from the page cache.
-    Without ``direct`` (a file system refusing O_DIRECT) the segments are written buffered as
-    they are, with no copy. ``pace``: see :class:`~dcp_plus.storage.direct.DirectFile`."""
-    segs = sorted(((off, _bytes(d)) for off, d in segments if len(d)), key=lambda s: s[0])
-    f = DirectFile(path, direct=direct, drop_cache=True, pace=pace)
+    """:func:`write_files` of the one file ``path``."""
+    write_files([(path, segments, size)], direct=direct, streams=streams, fsync=fsync,
+                pace=pace)
+
+
+def write_files(files: Sequence[BounceFile], *, direct: bool, streams: int, fsync: bool,
+                pace: Callable[[int], None] | None = None) -> None:
+    """Write ``files`` (each an existing empty file, see :data:`BounceFile`), fsync them
+    (``fsync``) and drop them from the page cache. ``streams`` threads take the work from one
+    queue: with ``direct``, the chunks of all files in file order (no stream idles while
+    another file has chunks left); without it (a file system refusing O_DIRECT) a file at a
+    time, its segments written buffered as they are, with no copy. ``pace``: see
+    :class:`~dcp_plus.storage.direct.DirectFile`."""
+    opened: list[DirectFile] = []
     try:
-        if not f.direct:
-            for off, data in segs:
-                f.write(data, off, aligned=False)
-            if os.fstat(f.fd).st_size < size:  # empty items placed after the last byte
-                os.ftruncate(f.fd, size)
-        else:
-            if streams > 1:
+        segs: list[list[tuple[int, memoryview]]] = []
+        for path, segments, _ in files:
+            opened.append(DirectFile(path, direct=direct, drop_cache=True, pace=pace))
+            segs.append(sorted(((off, _bytes(d)) for off, d in segments if len(d)),
+                               key=lambda s: s[0]))
+        tasks: list[Callable[[], None]] = []  # the buffered files', then the chunks
+        for f, fsegs, (_, _, size) in zip(opened, segs, files, strict=True):
+            if not f.direct:
+                tasks.append(partial(_write_buffered, f, fsegs, size))
+            elif streams > 1:
                 f.preallocate(size)
-            ends = [off + len(d) for off, d in segs]
-            tasks: list[Callable[[], None]] = [
-                partial(_write_chunk, f, segs, ends, start, min(size, start + BOUNCE_BYTES))
-                for start in range(0, size, BOUNCE_BYTES)]
-            in_streams(streams, tasks)
-    except BaseException:
-        f.close()
-        raise
-    f.finish(fsync)
+        ends = [[off + len(d) for off, d in fsegs] for fsegs in segs]
+        sizes = [size if f.direct else 0 for f, (_, _, size) in zip(opened, files, strict=True)]
+        writing = threading.Semaphore(streams)
+        chunks: list[Callable[[], None]] = [
+            partial(_write_chunk, opened[i], segs[i], ends[i], start, end, writing)
+            for i, start, end in chunk_plan(sizes, streams)]
+        in_streams(streams + (COPIERS if chunks else 0), tasks + chunks)
+        in_streams(len(opened), [partial(f.finish, fsync) for f in opened])  # fsyncs at once
+    finally:
+        for f in opened:  # after a failure; finish() closed the others
+            f.close()
+
+
+def _write_buffered(f: DirectFile, segs: list[tuple[int, memoryview]], size: int) -> None:
+    for off, data in segs:
+        f.write(data, off, aligned=False)
+    if os.fstat(f.fd).st_size < size:  # empty items placed after the last byte
+        os.ftruncate(f.fd, size)
+
+
+def chunk_plan(sizes: Sequence[int], streams: int) -> list[tuple[int, int, int]]:
+    """``(file index, start, end)`` chunks covering files of ``sizes`` bytes in order. The
+    ``k``-th chunk is at most ``RAMP[k // streams]`` long (then ``BOUNCE_BYTES``, the most any
+    chunk is) and, with ``left`` bytes of all files still to plan, at most the power of two
+    below ``left / streams`` (at least ``RAMP[0]``): the lengths ramp up, then down again at
+    the end. A chunk never spans two files, so a file's chunks start at multiples of 4 KiB."""
+    total, done = sum(sizes), 0
+    out: list[tuple[int, int, int]] = []
+    for i, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            k = len(out) // max(1, streams)
+            up = RAMP[k] if k < len(RAMP) else BOUNCE_BYTES
+            share = (total - done) // max(1, streams)
+            down = 1 << (share.bit_length() - 1) if share else 0
+            end = min(size, start + min(up, max(RAMP[0], down), BOUNCE_BYTES))
+            out.append((i, start, end))
+            done += end - start
+            start = end
+    return out
 
 
 def _write_chunk(f: DirectFile, segs: list[tuple[int, memoryview]], ends: list[int],
-                 start: int, end: int) -> None:
+                 start: int, end: int, writing: threading.Semaphore) -> None:
     """Assemble file bytes ``[start, end)`` in a bounce buffer and write them. The copies
     run without the GIL (tensor memory is writable, so it has an address), so the streams
     copy on both cores at once instead of taking turns."""
@@ -73,4 +134,5 @@ def _write_chunk(f: DirectFile, segs: list[tuple[int, memoryview]], ends: list[i
             i += 1
         if pos < end:
             ctypes.memset(at + pos - start, 0, end - pos)
-        f.write(buf[: end - start], start, aligned=True)
+        with writing:
+            f.write(buf[: end - start], start, aligned=True)

@@ -15,7 +15,7 @@ from dcp_plus.storage.localfs import LocalFileStore
 from dcp_plus.storage.rate import Bucket
 from dcp_plus.storage.urls import is_url
 from dcp_plus.writers.base import CommittingWriter, Fence, segments_of
-from dcp_plus.writers.bounce import write_segments
+from dcp_plus.writers.bounce import write_files
 from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES
 from dcp_plus.writers.layout import FilePlan
 from dcp_plus.writers.pool import DEFAULT_NICE
@@ -146,31 +146,26 @@ class LocalWriter(CommittingWriter):
         return -(-self.streams // max(1, min(files, parallel))) if self._direct else 1
 
     def _write_in_process(self, files: list[FilePlan], pace: Bucket | None) -> dict[int, str]:
-        # one file per thread, its items checksummed on a thread beside it while the same
-        # bytes are copied out and written (xxh3 and O_DIRECT writes release the GIL; the
-        # writes leave the CPU idle): the checksums add no time of their own
-        streams = self._streams_per_file(len(files), self.threads)
-
-        def write(fp: FilePlan) -> dict[int, str]:
-            hashed = self._hashers.submit(
-                lambda: {id(r): checksum_bytes(r.data) for r, _ in fp.placed})
-            try:
-                store(fp)
-            finally:
-                wait([hashed])  # the caller may release the items once this returns
-            return hashed.result()
-
-        def store(fp: FilePlan) -> None:
-            if self.direct_io is False:
-                self._files.write_file(fp.name, segments_of(fp), fp.size, pace)
-            else:
-                write_segments(self._files.location(fp.name), segments_of(fp), fp.size,
-                               direct=self._direct, streams=streams, fsync=self.fsync,
-                               pace=None if pace is None else pace.take)
-
+        # each file's items checksummed on a thread beside the writes of the same bytes
+        # (xxh3 and O_DIRECT writes release the GIL; the writes leave the CPU idle): the
+        # checksums add no time of their own
+        hashed = [self._hashers.submit(lambda fp=fp: {id(r): checksum_bytes(r.data)
+                                                      for r, _ in fp.placed})
+                  for fp in files]
+        try:
+            if self.direct_io is False:  # buffered: one file per thread
+                list(self._threads.map(lambda fp: self._files.write_file(
+                    fp.name, segments_of(fp), fp.size, pace), files))
+            elif files:  # one queue of chunks over all files: no stream idles at the end
+                write_files([(self._files.location(fp.name), segments_of(fp), fp.size)
+                             for fp in files], direct=self._direct,
+                            streams=self.streams if self._direct else self.threads,
+                            fsync=self.fsync, pace=None if pace is None else pace.take)
+        finally:
+            wait(hashed)  # the caller may release the items once this returns
         out: dict[int, str] = {}
-        for sums in self._threads.map(write, files):
-            out.update(sums)
+        for h in hashed:
+            out.update(h.result())
         return out
 
     def _put_table(self, name: str, data: bytes) -> None:

@@ -39,7 +39,7 @@ from dcp_plus.storage.direct import (
     resident_pages,
     use_direct,
 )
-from dcp_plus.writers.bounce import write_segments
+from dcp_plus.writers.bounce import RAMP, chunk_plan, write_files, write_segments
 from tests.conftest import (
     DTYPES,
     ROOT,
@@ -322,21 +322,51 @@ def _committed_step(ckpt: Path) -> int:
 def test_bounce_chunks_assemble_tensor_and_bytes_items_across_chunk_boundaries(tmp_path,
                                                                               streams):
     """Tensor memory and read-only bytes, each cut by a bounce-buffer boundary, with gaps of
-    zeros between them and an unaligned end, land in the file as they were placed."""
+    zeros between them and an unaligned end, land in the files as they were placed (two
+    files written from one queue of chunks, a small one between them)."""
     probe_ok(tmp_path)
     gen = torch.Generator().manual_seed(5)
     big = random_tensor((BOUNCE_BYTES + 12345,), torch.uint8, gen)
     ro = bytes(random_tensor((9000,), torch.uint8, gen).tolist())
     size = 2 * BOUNCE_BYTES + 7001
-    segments = [(0, memoryview(ro)), (10_000, byte_view(big)),
-                (2 * BOUNCE_BYTES - 4000, memoryview(ro)), (size - 1, memoryview(b"\x07"))]
-    expected = bytearray(size)
-    for off, data in segments:
-        expected[off:off + len(data)] = data
-    path = tmp_path / "f.bin"
-    path.touch()
-    write_segments(str(path), segments, size, direct=True, streams=streams, fsync=True)
-    assert path.read_bytes() == bytes(expected)
+    layouts = [
+        (size, [(0, memoryview(ro)), (10_000, byte_view(big)),
+                (2 * BOUNCE_BYTES - 4000, memoryview(ro)), (size - 1, memoryview(b"\x07"))]),
+        (5000, [(3, memoryview(ro[:4000]))]),
+        (size - 8191, [(4096, byte_view(big)), (size - 8192 - len(ro), memoryview(ro))]),
+    ]
+    files = []
+    for i, (n, segments) in enumerate(layouts):
+        path = tmp_path / f"f{i}.bin"
+        path.touch()
+        files.append((str(path), segments, n))
+    write_files(files, direct=True, streams=streams, fsync=True)
+    for path, segments, n in files:
+        expected = bytearray(n)
+        for off, data in segments:
+            expected[off:off + len(data)] = data
+        assert Path(path).read_bytes() == bytes(expected), path
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+@pytest.mark.parametrize("sizes", [[0], [5000], [3 << 20, 0, 1 << 30], [(2 << 30) + 7, 77 << 20]])
+def test_bounce_chunks_cover_each_file_once_ramping_up_and_down(sizes, streams):
+    """Chunks cover every byte of every file once, in order, start 4 KiB-aligned, never span
+    two files, ramp up from RAMP[0] per stream, and end on RAMP[0]-sized chunks."""
+    plan = chunk_plan(sizes, streams)
+    for i, size in enumerate(sizes):
+        mine = [(s, e) for f, s, e in plan if f == i]
+        assert [s for s, _ in mine] == [0, *[e for _, e in mine]][:len(mine)]
+        assert (mine[-1][1] if mine else 0) == size
+        assert all(s % 4096 == 0 and e > s for s, e in mine)
+    assert [f for f, _, _ in plan] == sorted(f for f, _, _ in plan)
+    lengths = [e - s for _, s, e in plan]
+    assert all(n <= BOUNCE_BYTES for n in lengths)
+    assert all(n <= RAMP[0] for n in lengths[:streams])
+    if sum(sizes) >= 1 << 30:
+        assert BOUNCE_BYTES in lengths
+        if streams > 1:  # the streams end within a short chunk of each other
+            assert max(lengths[-streams:]) <= RAMP[0]
 
 
 def test_a_small_bounce_write_maps_only_the_bounce_memory_it_fills(tmp_path):
