@@ -54,7 +54,7 @@ def write_files(files: Sequence[BounceFile], *, direct: bool, streams: int, fsyn
                 pace: Callable[[int], None] | None = None) -> None:
     """Write ``files`` (each an existing empty file, see :data:`BounceFile`), fsync them
     (``fsync``) and drop them from the page cache. ``streams`` threads take the work from one
-    queue: with ``direct``, the chunks of all files in file order (no stream idles while
+    queue: with ``direct``, the chunks of all files (:func:`chunk_plan`: no stream idles while
     another file has chunks left); without it (a file system refusing O_DIRECT) a file at a
     time, its segments written buffered as they are, with no copy. ``pace``: see
     :class:`~dcp_plus.storage.direct.DirectFile`."""
@@ -92,24 +92,28 @@ def _write_buffered(f: DirectFile, segs: list[tuple[int, memoryview]], size: int
 
 
 def chunk_plan(sizes: Sequence[int], streams: int) -> list[tuple[int, int, int]]:
-    """``(file index, start, end)`` chunks covering files of ``sizes`` bytes in order. The
-    ``k``-th chunk is at most ``RAMP[k // streams]`` long (then ``BOUNCE_BYTES``, the most any
-    chunk is) and, with ``left`` bytes of all files still to plan, at most the power of two
-    below ``left / streams`` (at least ``RAMP[0]``): the lengths ramp up, then down again at
-    the end. A chunk never spans two files, so a file's chunks start at multiples of 4 KiB."""
-    total, done = sum(sizes), 0
+    """``(file index, start, end)`` chunks covering files of ``sizes`` bytes, taking the
+    files in turn (streams spread over the files: ext4 converts the written extents of one
+    file one at a time) and each file in order. The ``k``-th chunk is at most
+    ``RAMP[k // streams]`` long (then ``BOUNCE_BYTES``, the most any chunk is) and, with
+    ``left`` bytes of all files still to plan, at most the power of two below ``left /
+    streams`` (at least ``RAMP[0]``): the lengths ramp up, then down again at the end. A
+    chunk never spans two files, so a file's chunks start at multiples of 4 KiB."""
+    left = sum(sizes)
+    at = [0] * len(sizes)
     out: list[tuple[int, int, int]] = []
-    for i, size in enumerate(sizes):
-        start = 0
-        while start < size:
+    while left:
+        for i, size in enumerate(sizes):
+            if at[i] == size:
+                continue
             k = len(out) // max(1, streams)
             up = RAMP[k] if k < len(RAMP) else BOUNCE_BYTES
-            share = (total - done) // max(1, streams)
+            share = left // max(1, streams)
             down = 1 << (share.bit_length() - 1) if share else 0
-            end = min(size, start + min(up, max(RAMP[0], down), BOUNCE_BYTES))
-            out.append((i, start, end))
-            done += end - start
-            start = end
+            end = min(size, at[i] + min(up, max(RAMP[0], down), BOUNCE_BYTES))
+            out.append((i, at[i], end))
+            left -= end - at[i]
+            at[i] = end
     return out
 
 
