@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from dcp_plus.storage.buffers import ALIGN, BufferPool, transfer_buffer
-from dcp_plus.storage.fileio import pwrite_all
+from dcp_plus.storage.fileio import naming, pwrite_all
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +245,11 @@ class DirectFile:
 
     def write(self, data: memoryview, offset: int, aligned: bool) -> None:
         """Write ``data`` at ``offset``; ``aligned``: its first byte is 4 KiB-aligned in
-        memory (slab views, bounce buffers)."""
+        memory (slab views, bounce buffers). An error (ENOSPC, EIO) names the file."""
+        with naming(self.path):
+            self._write(data, offset, aligned)
+
+    def _write(self, data: memoryview, offset: int, aligned: bool) -> None:
         head = 0
         dfd = self._dfd if self.refused is None else None
         if aligned and offset % ALIGN == 0 and dfd is not None:
@@ -266,12 +270,14 @@ class DirectFile:
         pwrite_all(self.fd, data[head:], offset + head, self._between, self._pace)
 
     def finish(self, fsync: bool) -> None:
-        """Write the kept tails, fsync (``fsync``), drop the cached pages, close."""
+        """Write the kept tails, fsync (``fsync``), drop the cached pages, close. An error
+        names the file."""
         try:
-            for offset, tail in self._tails:
-                pwrite_all(self.fd, memoryview(tail), offset, pace=self._pace)
-            if fsync:  # O_DIRECT bypasses the page cache, not the device cache or metadata
-                os.fsync(self.fd)
+            with naming(self.path):
+                for offset, tail in self._tails:
+                    pwrite_all(self.fd, memoryview(tail), offset, pace=self._pace)
+                if fsync:  # O_DIRECT bypasses the page cache, not the device cache or metadata
+                    os.fsync(self.fd)
             if self.drop_cache:
                 os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from dcp_plus.errors import CheckpointFormatError
 from dcp_plus.storage.rate import GRANT
@@ -13,6 +14,18 @@ from dcp_plus.storage.rate import GRANT
 CHUNK = 64 << 20  # bounded syscalls: progress checks between them stay responsive
 COALESCE_GAP = 64 << 10
 MAX_IOV = 512
+
+
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """Re-raise an ``OSError`` that names no file (``os.pwrite``'s, ``os.fsync``'s) with
+    ``path``: "No space left on device" alone does not say where."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None and e.errno is not None:
+            raise OSError(e.errno, e.strerror, path) from e
+        raise
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int,

@@ -12,6 +12,7 @@ from dcp_plus.storage.fileio import (
     atomic_create,
     atomic_write,
     fsync_dir,
+    naming,
     open_regular,
     pwrite_all,
     read_coalesced,
@@ -111,12 +112,13 @@ class LocalFileStore:
         fd = os.open(self.location(name), os.O_WRONLY | os.O_CREAT, 0o644)
         take = None if pace is None else pace.take
         try:
-            for offset, data in segments:
-                pwrite_all(fd, data, offset, pace=take)
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            if self.fsync:
-                os.fsync(fd)
+            with naming(self.location(name)):
+                for offset, data in segments:
+                    pwrite_all(fd, data, offset, pace=take)
+                if os.fstat(fd).st_size < size:
+                    os.ftruncate(fd, size)
+                if self.fsync:
+                    os.fsync(fd)
         finally:
             os.close(fd)
 

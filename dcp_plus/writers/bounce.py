@@ -35,9 +35,9 @@ finish within a few ms of each other instead of up to one 64 MiB write apart."""
 COPIERS = 1
 """Threads beyond ``streams``: one assembles its next chunk while ``streams`` others write,
 so a stream that finishes a write starts the next at once instead of first copying 64 MiB.
-With :data:`RAMP`, plain ``dcp.save`` went from 1.168x to 1.133x the write limit at 2 GiB
-(10 rounds) and from 1.171x to 1.110x at 8 GiB (3 rounds; ``docs/benchmarks.md``, tenth
-session)."""
+With :data:`RAMP` and the shared queue, a plain ``dcp.save`` of 8 GiB took 0.942x and 0.986x
+the time of the per-file streams before (same-round medians of two 4-round runs; 2 GiB:
+1.012x, no change; ``docs/benchmarks.md``, tenth session)."""
 
 BounceFile = tuple[str, Segments, int]
 """``(path, (offset, bytes) segments not overlapping, final size)`` of one file."""
@@ -93,8 +93,8 @@ def _write_buffered(f: DirectFile, segs: list[tuple[int, memoryview]], size: int
 
 def chunk_plan(sizes: Sequence[int], streams: int) -> list[tuple[int, int, int]]:
     """``(file index, start, end)`` chunks covering files of ``sizes`` bytes, taking the
-    files in turn (streams spread over the files: ext4 converts the written extents of one
-    file one at a time) and each file in order. The ``k``-th chunk is at most
+    files in turn (4 streams on one file, then the next, ran 1.075x slower at 8 GiB than
+    with the streams spread over the files) and each file in order. The ``k``-th chunk is at most
     ``RAMP[k // streams]`` long (then ``BOUNCE_BYTES``, the most any chunk is) and, with
     ``left`` bytes of all files still to plan, at most the power of two below ``left /
     streams`` (at least ``RAMP[0]``): the lengths ramp up, then down again at the end. A

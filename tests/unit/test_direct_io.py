@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -316,6 +318,27 @@ def _committed_step(ckpt: Path) -> int:
     probe = {"step": torch.zeros((), dtype=torch.int64)}
     load(probe, ckpt)
     return int(probe["step"])
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare(1) and root to mount a small tmpfs")
+@pytest.mark.parametrize("mode", ["plain", "buffered", "slab"])
+def test_a_full_disk_fails_the_save_naming_the_file_and_leaves_nothing_behind(tmp_path, mode):
+    """A real ENOSPC (a 12 MiB tmpfs in a mount namespace of its own): the error names the
+    data file and the device's complaint, the failed save's files are gone (their space
+    freed), and the checkpoint saved before it loads bit-exact."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    script = ('mount -t tmpfs -o size=12m tmpfs "$0" && exec "$1" -m tests.unit._full_disk_child '
+              '"$0" "$2"')
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script, str(mnt), sys.executable, mode],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=child_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "No space left on device" in got["error"]
+    assert re.search(rf"{re.escape(str(mnt))}/full/__0_\d+\.[0-9a-f]+\.dcpp", got["error"])
+    assert got["left"] == []
 
 
 @pytest.mark.parametrize("streams", [1, 3])
