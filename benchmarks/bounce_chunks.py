@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--settle", type=float, default=1.0, help="seconds after dropping caches")
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    pools = {int(m): BufferPool(int(m) << 20, keep=4) for m in args.chunks_mib.split(",")}
+    # kept as the process pool keeps its own: one per stream and one being filled, no idle unmap
+    pools = {int(m): BufferPool(int(m) << 20, keep=bounce.bounce_pool.keep, idle_s=None)
+             for m in args.chunks_mib.split(",")}
     sd = gpt2_like_state_dict(size_gib=args.size_gib)
     nbytes = state_dict_nbytes(sd)
     planner = CachedSavePlanner()

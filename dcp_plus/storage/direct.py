@@ -284,10 +284,16 @@ class DirectFile:
             self.close()
 
     def close(self) -> None:
-        for fd in (self.fd, self._dfd):
-            if fd is not None and fd >= 0:
-                os.close(fd)
+        """Close both descriptors once (a second call does nothing, even after a failed
+        close: the numbers may belong to another file by then)."""
+        fds = [fd for fd in (self.fd, self._dfd) if fd is not None and fd >= 0]
         self.fd, self._dfd = -1, None
+        try:
+            if fds:
+                os.close(fds[0])
+        finally:
+            if len(fds) > 1:
+                os.close(fds[1])
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

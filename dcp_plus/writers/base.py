@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor, wait
+from functools import partial
 from typing import Any
 
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -37,7 +38,7 @@ from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.rate import Bucket, check_shaping, shared_bucket, stagger_delay
 from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES, ChunkSpec
 from dcp_plus.writers.codec_choice import CodecChoice
-from dcp_plus.writers.commit_files import own_files, replaced_files
+from dcp_plus.writers.commit_files import committed_by_another, own_files, replaced_files
 from dcp_plus.writers.extent_tables import (
     build_extents,
     collect_extents,
@@ -349,6 +350,8 @@ class CommittingWriter(StoreClient, StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         record = encode_record(metadata, extents)
         if len(record) > MAX_RECORD_BYTES:  # no reader would accept it: never commit it
+            if self.fence is not None:
+                self.fence()  # a fenced writer removes nothing
             self._discard(extents, tables)
             raise CheckpointFormatError(
                 f"{self.checkpoint_id}: the commit record would be {len(record)} bytes, more "
@@ -363,7 +366,8 @@ class CommittingWriter(StoreClient, StorageWriter):
             self.fence()
         # a put that raises may still have committed: its files stay (not so a refused one)
         if not store.put(RECORD_NAME, record, if_absent=not self.overwrite):
-            self._discard(extents, tables)
+            if committed_by_another(partial(store.get, RECORD_NAME), record, self.checkpoint_id):
+                self._discard(extents, tables)
             raise CheckpointExistsError(self._exists_message() + " (it was committed while "
                                         "this save was running)")
         store.delete(tables)

@@ -26,8 +26,8 @@ def _bytes(data: memoryview) -> memoryview:
 
 
 RAMP = (4 << 20, 8 << 20, 16 << 20, 32 << 20)
-"""The chunk lengths a write starts with, and ends with in reverse (each once per stream),
-around :data:`~dcp_plus.storage.direct.BOUNCE_BYTES` chunks. Every stream first copies its
+"""The chunk lengths a write starts with (each once per stream), and ends with about in
+reverse (powers of two of what is left per stream), around :data:`~dcp_plus.storage.direct.BOUNCE_BYTES` chunks. Every stream first copies its
 chunk and only then writes it: four 64 MiB copies at once on two cores held the first write
 back 25-30 ms, four 4 MiB ones hold it back ~2 ms. At the end, short chunks let the streams
 finish within a few ms of each other instead of up to one 64 MiB write apart."""
@@ -53,8 +53,8 @@ def write_segments(path: str, segments: Segments, size: int, *, direct: bool, st
 def write_files(files: Sequence[BounceFile], *, direct: bool, streams: int, fsync: bool,
                 pace: Callable[[int], None] | None = None) -> None:
     """Write ``files`` (each an existing empty file, see :data:`BounceFile`), fsync them
-    (``fsync``) and drop them from the page cache. ``streams`` threads take the work from one
-    queue: with ``direct``, the chunks of all files (:func:`chunk_plan`: no stream idles while
+    (``fsync``) and drop them from the page cache. ``streams`` threads (and :data:`COPIERS`
+    more with ``direct``) take the work from one queue: with ``direct``, the chunks of all files (:func:`chunk_plan`: no stream idles while
     another file has chunks left); without it (a file system refusing O_DIRECT) a file at a
     time, its segments written buffered as they are, with no copy. ``pace``: see
     :class:`~dcp_plus.storage.direct.DirectFile`."""
@@ -73,12 +73,12 @@ def write_files(files: Sequence[BounceFile], *, direct: bool, streams: int, fsyn
                 f.preallocate(size)
         ends = [[off + len(d) for off, d in fsegs] for fsegs in segs]
         sizes = [size if f.direct else 0 for f, (_, _, size) in zip(opened, files, strict=True)]
-        writing = threading.Semaphore(streams)
+        writing = threading.Semaphore(max(1, streams))
         chunks: list[Callable[[], None]] = [
             partial(_write_chunk, opened[i], segs[i], ends[i], start, end, writing)
             for i, start, end in chunk_plan(sizes, streams)]
         in_streams(streams + (COPIERS if chunks else 0), tasks + chunks)
-        in_streams(len(opened), [partial(f.finish, fsync) for f in opened])  # fsyncs at once
+        in_streams(max(1, streams), [partial(f.finish, fsync) for f in opened])  # fsyncs at once
     finally:
         for f in opened:  # after a failure; finish() closed the others
             f.close()

@@ -21,9 +21,24 @@ the store cannot take, ``CheckpointFormatError`` where the store keeps no prefix
 
 
 def own_files(extents: Mapping[MetadataIndex, Extent]) -> dict[str, str | None]:
-    """The data files this save wrote (by name, their key prefix): every file an extent names
-    that is not a sibling checkpoint's (``base``)."""
-    return {e.file: e.prefix for e in extents.values() if e.base is None}
+    """The data files this save wrote (by name, their key prefix): every data file an extent
+    names that is not a sibling checkpoint's (``base``)."""
+    return {e.file: e.prefix for e in extents.values()
+            if e.base is None and is_data_file(e.file)}
+
+
+def committed_by_another(get_record: Callable[[], bytes | None], record: bytes,
+                         checkpoint_id: str) -> bool:
+    """After a refused commit of ``record``: whether the record there (``get_record``) is
+    surely another save's. A store that could not tell whether a retried commit took effect
+    may refuse its own; unreadable counts as unknown (the files stay)."""
+    try:
+        there = get_record()
+    except Exception as e:  # noqa: BLE001
+        log.warning("%s: could not read back the commit record after a refused commit; this "
+                    "save's files stay: %s", checkpoint_id, e)
+        return False
+    return there is not None and there != record
 
 
 def replaced_files(record: bytes | None, checkpoint_id: str, placed_store: bool,

@@ -27,8 +27,9 @@ class LocalWriter(CommittingWriter):
 
     Tensors that live in an :class:`~dcp_plus.stagers.ArenaStager` slab are written by the
     shared worker-process pool from ``(slab, offset, length)`` descriptors, without copying;
-    other data is written by ``threads`` threads of this process (through aligned bounce
-    buffers with direct I/O, straight from tensor memory without).
+    other data goes into ``threads`` files, written by this process: with direct I/O by
+    ``streams`` threads (and one filling the next bounce buffer) taking chunks of all files
+    from one queue, without it one thread per file straight from tensor memory.
 
     Args:
         path: checkpoint directory (created if missing).
@@ -36,7 +37,7 @@ class LocalWriter(CommittingWriter):
             the new commit record is in place, then the data files it referenced are removed
             (no other file: files of another save, running or crashed, are left in place).
         workers: size of the shared writer-process pool.
-        threads: parallel files for data outside slabs.
+        threads: files for data outside slabs (written in parallel).
         fsync: fsync data files, the commit record and directories (turn off only for
             throwaway checkpoints).
         direct_io: ``"auto"`` (default) or ``True``: write data files with ``O_DIRECT``,
@@ -49,10 +50,10 @@ class LocalWriter(CommittingWriter):
             one line says why (INFO for ``"auto"``, WARNING for ``True``); a refusal never
             fails a save. ``False``: plain buffered writes, left in the page cache.
         streams: ``O_DIRECT`` writes kept in flight per rank (default
-            :data:`~dcp_plus.storage.direct.DEFAULT_STREAMS`, 4): spread over the files
-            written in parallel (``workers`` slab files, ``threads`` other ones); when there
-            are fewer files than streams, one file is written by several streams at
-            distinct offsets (preallocated with ``fallocate``).
+            :data:`~dcp_plus.storage.direct.DEFAULT_STREAMS`, 4): shared out over the
+            ``workers`` slab files (several streams write one file at distinct offsets,
+            preallocated with ``fallocate``); the other files' chunks are written by all of
+            them, the files in turn (each preallocated).
         worker_nice: CPU niceness of the worker processes (0-19, default 10), so that a
             persist running beside training yields the cores to the training step.
         max_bytes_per_s: cap on the rate at which this rank's data bytes reach storage,

@@ -133,3 +133,30 @@ def test_a_refused_commit_leaves_only_the_winners_files(tmp_path, slab, in_slabs
     assert data_files(ckpt) == referenced_files(ckpt)
     assert sorted(os.listdir(ckpt)) == sorted(data_files(ckpt) | {".metadata"})
     assert_bit_exact(load(load_target(winner), ckpt), winner)
+
+
+def test_a_commit_refused_although_its_record_landed_keeps_its_files(tmp_path):
+    """A store that cannot tell whether a retried commit took effect (a lost reply on NFS)
+    may refuse a record it did write: the save's files must stay, its checkpoint loads. The
+    lost reply cannot be produced on a local disk, so the put says "refused" after writing."""
+    ckpt = tmp_path / "ckpt"
+    sd = build_state_dict(seed=3)
+
+    class LostReply(LocalWriter):
+        def finish(self, metadata, results):
+            store = self._store
+            put = store.put
+
+            def put_then_refuse(name, data, *, if_absent):
+                put(name, data, if_absent=if_absent)
+                return False
+            store.put = put_then_refuse
+            try:
+                return super().finish(metadata, results)
+            finally:
+                del store.put
+
+    with pytest.raises(CheckpointException, match="CheckpointExistsError"):
+        dcp.save(sd, storage_writer=LostReply(ckpt), no_dist=True)
+    assert data_files(ckpt) and data_files(ckpt) == referenced_files(ckpt)
+    assert_bit_exact(load(load_target(sd), ckpt), sd)
