@@ -70,8 +70,9 @@ bounce_pool = BufferPool(BOUNCE_BYTES, keep=DEFAULT_STREAMS + 1, idle_s=None,
 """The process's bounce buffers: one per write stream in flight and one being filled, faulted
 in as they are filled (a small file maps only what it takes). As many as a rank's default
 streams use are kept for the process's life, as the stager keeps its slabs: a process that
-saved will save again, and mapping 320 MiB afresh costs each save 0.03 s on the dev VM when the host still backs the
-memory and 0.3-0.5 s once the guest has handed it back (free page reporting)."""
+saved will save again, and mapping 320 MiB afresh costs each save 0.03 s on the dev VM when
+the host still backs the memory and 0.3-0.5 s once the guest has handed it back (free page
+reporting)."""
 
 
 # -- does this file system take O_DIRECT? ---------------------------------------------------

@@ -38,7 +38,7 @@ from dcp_plus.storage.placement import Placed
 from dcp_plus.storage.rate import Bucket, check_shaping, shared_bucket, stagger_delay
 from dcp_plus.writers.chunk_encode import DEFAULT_PART_BYTES, ChunkSpec
 from dcp_plus.writers.codec_choice import CodecChoice
-from dcp_plus.writers.commit_files import committed_by_another, own_files, replaced_files
+from dcp_plus.writers.commit_files import committed_by_another, files_written, replaced_files
 from dcp_plus.writers.extent_tables import (
     build_extents,
     collect_extents,
@@ -302,7 +302,7 @@ class CommittingWriter(StoreClient, StorageWriter):
     def _discard(self, extents: Mapping[MetadataIndex, Extent], tables: list[str]) -> None:
         """Before a refused or failed commit returns: every file of this save (all ranks'
         data files and extent tables)."""
-        files = own_files(extents)
+        files = files_written(extents)
         try:
             self._place({f: p for f, p in files.items() if p is not None})
         except (ValueError, DcpPlusError) as e:
@@ -312,8 +312,8 @@ class CommittingWriter(StoreClient, StorageWriter):
         self._remove_own_files(sorted(files) + tables)
 
     def _remove_own_files(self, names: list[str]) -> None:
-        """After a failed write or commit: the files this save made. A failure here is logged, not
-        raised over the error that got us here."""
+        """After a failed write or commit: the files this save made. A failure here is
+        logged, not raised over the error that got us here."""
         if not names:
             return
         try:

@@ -43,21 +43,14 @@ BounceFile = tuple[str, Segments, int]
 """``(path, (offset, bytes) segments not overlapping, final size)`` of one file."""
 
 
-def write_segments(path: str, segments: Segments, size: int, *, direct: bool, streams: int,
-                   fsync: bool, pace: Callable[[int], None] | None = None) -> None:
-    """:func:`write_files` of the one file ``path``."""
-    write_files([(path, segments, size)], direct=direct, streams=streams, fsync=fsync,
-                pace=pace)
-
-
 def write_files(files: Sequence[BounceFile], *, direct: bool, streams: int, fsync: bool,
                 pace: Callable[[int], None] | None = None) -> None:
     """Write ``files`` (each an existing empty file, see :data:`BounceFile`), fsync them
     (``fsync``) and drop them from the page cache. ``streams`` threads (and :data:`COPIERS`
-    more with ``direct``) take the work from one queue: with ``direct``, the chunks of all files (:func:`chunk_plan`: no stream idles while
-    another file has chunks left); without it (a file system refusing O_DIRECT) a file at a
-    time, its segments written buffered as they are, with no copy. ``pace``: see
-    :class:`~dcp_plus.storage.direct.DirectFile`."""
+    more with ``direct``) take the work from one queue: with ``direct``, the chunks of all
+    files (:func:`chunk_plan`: no stream idles while another file has chunks left); without
+    it (a file system refusing O_DIRECT) a file at a time, its segments written buffered as
+    they are, with no copy. ``pace``: see :class:`~dcp_plus.storage.direct.DirectFile`."""
     opened: list[DirectFile] = []
     try:
         segs: list[list[tuple[int, memoryview]]] = []
@@ -94,11 +87,12 @@ def _write_buffered(f: DirectFile, segs: list[tuple[int, memoryview]], size: int
 def chunk_plan(sizes: Sequence[int], streams: int) -> list[tuple[int, int, int]]:
     """``(file index, start, end)`` chunks covering files of ``sizes`` bytes, taking the
     files in turn (4 streams on one file, then the next, ran 1.075x slower at 8 GiB than
-    with the streams spread over the files) and each file in order. The ``k``-th chunk is at most
-    ``RAMP[k // streams]`` long (then ``BOUNCE_BYTES``, the most any chunk is) and, with
-    ``left`` bytes of all files still to plan, at most the power of two below ``left /
+    with the streams spread over the files) and each file in order. The ``k``-th chunk is
+    at most ``RAMP[k // streams]`` long (then ``BOUNCE_BYTES``, the most any chunk is) and,
+    with ``left`` bytes of all files still to plan, at most the power of two below ``left /
     streams`` (at least ``RAMP[0]``): the lengths ramp up, then down again at the end. A
     chunk never spans two files, so a file's chunks start at multiples of 4 KiB."""
+    per = max(1, streams)
     left = sum(sizes)
     at = [0] * len(sizes)
     out: list[tuple[int, int, int]] = []
@@ -106,9 +100,9 @@ def chunk_plan(sizes: Sequence[int], streams: int) -> list[tuple[int, int, int]]
         for i, size in enumerate(sizes):
             if at[i] == size:
                 continue
-            k = len(out) // max(1, streams)
+            k = len(out) // per
             up = RAMP[k] if k < len(RAMP) else BOUNCE_BYTES
-            share = left // max(1, streams)
+            share = left // per
             down = 1 << (share.bit_length() - 1) if share else 0
             end = min(size, at[i] + min(up, max(RAMP[0], down), BOUNCE_BYTES))
             out.append((i, at[i], end))

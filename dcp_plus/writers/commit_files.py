@@ -20,9 +20,9 @@ Place = Callable[[dict[str, str]], None]
 the store cannot take, ``CheckpointFormatError`` where the store keeps no prefixes)."""
 
 
-def own_files(extents: Mapping[MetadataIndex, Extent]) -> dict[str, str | None]:
-    """The data files this save wrote (by name, their key prefix): every data file an extent
-    names that is not a sibling checkpoint's (``base``)."""
+def files_written(extents: Mapping[MetadataIndex, Extent]) -> dict[str, str | None]:
+    """The data files the save that made ``extents`` wrote (by name, their key prefix):
+    every data file an extent names that is not a sibling checkpoint's (``base``)."""
     return {e.file: e.prefix for e in extents.values()
             if e.base is None and is_data_file(e.file)}
 
@@ -54,8 +54,7 @@ def replaced_files(record: bytes | None, checkpoint_id: str, placed_store: bool,
         log.warning("%s: the commit record being replaced is not readable (%s); its data "
                     "files are left in place", checkpoint_id, e)
         return set()
-    files = {e.file: e.prefix for e in old.storage_data.values()
-             if e.base is None and is_data_file(e.file)}
+    files = files_written(old.storage_data)
     placed = {f: p for f, p in files.items() if p is not None}
     if placed and not placed_store:  # not ours: a hostile record
         log.warning("%s: the replaced commit record names key prefixes; the files under "

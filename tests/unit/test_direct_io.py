@@ -41,7 +41,7 @@ from dcp_plus.storage.direct import (
     resident_pages,
     use_direct,
 )
-from dcp_plus.writers.bounce import RAMP, chunk_plan, write_files, write_segments
+from dcp_plus.writers.bounce import RAMP, chunk_plan, write_files
 from tests.conftest import (
     DTYPES,
     ROOT,
@@ -403,8 +403,8 @@ def test_a_small_bounce_write_maps_only_the_bounce_memory_it_fills(tmp_path):
     path.touch()
     data = aligned_buffer(3 * ALIGN)
     data[:] = os.urandom(len(data))
-    write_segments(str(path), [(0, memoryview(data))], len(data), direct=True, streams=1,
-                   fsync=True)
+    write_files([(str(path), [(0, memoryview(data))], len(data))], direct=True, streams=1,
+                fsync=True)
     assert path.read_bytes() == bytes(data)
     assert bounce_pool.idle == 1
     with bounce_pool.take() as view:  # the buffer that write used
