@@ -120,10 +120,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 1
     if args.json:
         print(json.dumps({"path": report.path, "ok": report.ok, "extents": report.extents,
-                          "bytes": report.bytes, "problems": report.problems}, indent=2))
+                          "bytes": report.bytes, "problems": report.problems,
+                          "stray": [{"file": n, "bytes": b} for n, b in report.stray]},
+                         indent=2))
     else:
         for p in report.problems:
             print(f"CORRUPT: {p}")
+        for name, size in report.stray:
+            print(f"STRAY: {name} ({'gone' if size is None else _human(size)}): not named "
+                  "by the commit record")
+        if report.stray:
+            print(f"{_plural(len(report.stray), 'file')} of "
+                  f"{_human(sum(b or 0 for _, b in report.stray))} that no load reads: left "
+                  "by a save that did not commit, or written by one still under way. Once no "
+                  "save writes into this checkpoint, they can be removed")
         verdict = "OK" if report.ok else f"FAILED ({_plural(len(report.problems), 'problem')})"
         print(f"{args.path}: {_plural(report.extents, 'extent')}, {_human(report.bytes)} "
               f"checked: {verdict}")

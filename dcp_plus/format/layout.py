@@ -27,3 +27,17 @@ _DATA_FILE = re.compile(r"^__\d+_\d+\.[0-9a-f]+" + re.escape(DATA_SUFFIX) + "$")
 def is_data_file(name: str) -> bool:
     """Whether ``name`` is a data file name :func:`data_file_name` makes."""
     return _DATA_FILE.match(name) is not None
+
+
+def extent_table_name(rank: int, save_id: str) -> str:
+    """``__{rank}.{save_id}.extents``: a rank's extents until the commit (removed after)."""
+    return f"__{rank}.{save_id}.extents"
+
+
+_EXTENT_TABLE = re.compile(r"^__\d+\.[0-9a-f]+\.extents$")
+
+
+def is_save_file(name: str) -> bool:
+    """Whether ``name`` is one a save writes beside its commit record: a data file or an
+    extent table."""
+    return is_data_file(name) or _EXTENT_TABLE.match(name) is not None

@@ -43,6 +43,10 @@ class VerifyReport:
     extents: int = 0
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    stray: list[tuple[str, int | None]] = field(default_factory=list)
+    """Save files (data files, extent tables) beside the record that it does not name, with
+    their sizes: left by a save that did not commit (or is still writing there). Not
+    damage: the checkpoint loads without them."""
 
     @property
     def ok(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any, cast
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_plus.errors import UnsafeCheckpointError
+from dcp_plus.format.layout import is_save_file
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name
 from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
 from dcp_plus.readers.file_check import VerifyReport, check_file
@@ -22,7 +23,7 @@ from dcp_plus.readers.parts_read import needs_parts
 from dcp_plus.readers.parts_verify import own_entries, verify_decoded
 from dcp_plus.readers.placement import place_objects
 
-__all__ = ["VerifyReport", "load_record", "stored_bytes", "summarize", "verify"]
+__all__ = ["VerifyReport", "load_record", "stored_bytes", "stray_files", "summarize", "verify"]
 
 Location = str | os.PathLike
 
@@ -50,6 +51,18 @@ def load_record(location: Location, storage_options: Mapping[str, Any] | None = 
         return _record(reader)
     finally:
         reader.close()
+
+
+def stray_files(store: Any, extents: Mapping[MetadataIndex, Extent]
+                ) -> list[tuple[str, int | None]]:
+    """The data files and extent tables in the checkpoint's folder (``store``) that its
+    record (``extents``) does not name, with their sizes (None: gone meanwhile); files kept
+    under key prefixes elsewhere are not looked for."""
+    named = {e.file for e in extents.values() if e.base is None}
+    named |= {p.file for e in extents.values() if e.parts for p in e.parts if p.where is None}
+    names = [n for n in store.list() if is_save_file(n) and n not in named]
+    sizes = store.sizes(names) if names else {}
+    return [(n, sizes.get(n)) for n in names]
 
 
 def stored_bytes(md: Metadata) -> int:
@@ -170,6 +183,7 @@ def verify(location: Location, progress: Callable[[int], None] | None = None,
         for name, entries in sorted(by_file.items()):
             check_file(reader._store, name, entries, dtypes, report, progress)
         verify_decoded(reader, referencing, report, progress)
+        report.stray = stray_files(reader._store, _extents(md))
         return report
     finally:
         reader.close()

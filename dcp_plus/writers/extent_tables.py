@@ -15,6 +15,7 @@ from dcp_plus.format.checksum import bind_checksum, checksum_bytes
 from dcp_plus.format.extent import identity_of
 from dcp_plus.format.extent_columns import encode_extent_table
 from dcp_plus.format.extent_set import ExtentSet
+from dcp_plus.format.layout import extent_table_name
 from dcp_plus.format.record import Extent, dtype_name
 from dcp_plus.format.strict_json import check_text
 from dcp_plus.writers.layout import FilePlan
@@ -31,10 +32,6 @@ class ExtentTableRef:
     count: int
     prefix: str | None = None
     """The key prefix the table (and its rank's data) lies under."""
-
-
-def extent_table_name(rank: int, save_id: str) -> str:
-    return f"__{rank}.{save_id}.extents"
 
 
 def build_extents(files: Sequence[FilePlan], raw_lengths: dict[int, int],

@@ -64,6 +64,12 @@ def test_inspect_verify_diff_on_s3_and_damage_found(s3) -> None:
     assert {r["name"] for r in json.loads(info.stdout)["items"]} == set(record["items"])
     ok = run("verify", a, *flags)
     assert ok.returncode == 0 and ok.stdout.rstrip().endswith("OK"), ok.stdout + ok.stderr
+    stray = "__0_0." + "f" * 16 + ".dcpp"  # an object of a save that did not commit
+    fs.pipe_file(f"{root}/{stray}", b"x" * 10)
+    listed = run("verify", a, *flags, "--json")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert json.loads(listed.stdout)["stray"] == [{"file": stray, "bytes": 10}], listed.stdout
+    fs.rm_file(f"{root}/{stray}")
     diff = run("diff", a, b, *flags, "--json")
     assert diff.returncode == 1 and json.loads(diff.stdout)["added"] == ["extra"], diff.stdout
 

@@ -56,6 +56,24 @@ def test_an_intact_checkpoint_says_ok_in_the_singular_and_plural(ckpt: Path) -> 
     assert "81 extents" in text
 
 
+def test_files_no_record_names_are_listed_as_stray_not_as_damage(ckpt: Path) -> None:
+    data = sorted(by_file(ckpt))[0]
+    rank_k, save_id = data.split(".")[0], data.split(".")[1]
+    other = "0" * len(save_id) if save_id != "0" * len(save_id) else "1" * len(save_id)
+    shutil.copy(ckpt / data, ckpt / f"{rank_k}.{other}.dcpp")  # an uncommitted save's file
+    (ckpt / f"__0.{other}.extents").write_text("{}")  # and its extent table
+    (ckpt / "notes.txt").write_text("not a save's file")  # not ours: not listed
+    proc = run("verify", str(ckpt), "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0 and report["problems"] == []
+    assert sorted(report["stray"], key=lambda s: s["file"]) == sorted([
+        {"file": f"{rank_k}.{other}.dcpp", "bytes": (ckpt / data).stat().st_size},
+        {"file": f"__0.{other}.extents", "bytes": 2}], key=lambda s: s["file"])
+    text = run("verify", str(ckpt)).stdout
+    assert f"STRAY: {rank_k}.{other}.dcpp" in text and "2 files of" in text
+    assert text.rstrip().endswith("checked: OK"), text
+
+
 def test_a_truncated_file_is_one_line_naming_its_tensors(ckpt: Path) -> None:
     name, extents = max(by_file(ckpt).items(), key=lambda kv: len(kv[1]))
     os.truncate(ckpt / name, 5000)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ from tests.conftest import (
     worker_pids,
 )
 from tests.unit import _crash_child
+from tests.unit.test_cli_ls_diff import run_process
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -88,6 +90,11 @@ def test_trainer_killed_while_writing_keeps_last_checkpoint_and_leaves_no_worker
         if target == "overwrite":
             assert record_path(old).read_bytes() == old_record
             assert data_files(new) - old_files, "the interrupted save wrote no file"
+            # verify names what the killed save left, and still passes the checkpoint
+            proc = run_process("verify", str(old), "--json")
+            report = json.loads(proc.stdout)
+            assert proc.returncode == 0 and report["problems"] == [], proc.stdout
+            assert {s["file"] for s in report["stray"]} == data_files(new) - old_files
         else:
             assert not record_path(new).exists()
             assert data_files(new)
