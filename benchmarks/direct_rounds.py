@@ -11,6 +11,11 @@ write limit     the state's byte count written with O_DIRECT from huge-page ring
                 streams + fsync (``pwrite_files``); the round's best
 read limit      the files of the round's bounce-path checkpoint read with O_DIRECT into
                 huge-page rings by 1, 2 and 4 streams (``direct_read``); the round's best
+read limit, torch memory   the same reads into one CPU tensor of the checkpoint's size
+                that torch allocated (as it allocates the state: 4 KiB pages, or 2 MiB ones
+                under ``THP_MEM_ALLOC_ENABLE=1``), faulted in before: what the device gives
+                into memory of the state's kind, scattered over as much of it (skipped when
+                ``MemAvailable`` cannot hold another copy of the state)
 ... + copy      the same timed inside a ``CopyBeside`` of the state's byte count: the floor for
                 saving from and loading into memory O_DIRECT cannot address (torch's CPU
                 tensors are 64-byte aligned, O_DIRECT wants 512 here), which must pass once
@@ -28,6 +33,10 @@ verified load   ``dcp.load`` of that checkpoint into the state (zeroed first, ch
                 with ``LocalReader`` (checksums verified) and ``SafeLoadPlanner``; read bounce
                 and side buffers mapped afresh, as for a job's restore (its processes' first
                 load)
+
+``THP_MEM_ALLOC_ENABLE=1 python -m benchmarks.direct_rounds ...`` has torch allocate the state
+(and the torch-memory limit's tensor) 4 KiB-aligned in 2 MiB pages where it can; the header
+says how much of the state got them.
 
 Each limit is the best of 1, 2 and 4 streams, judged two ways. Per round, the best of that
 round's three (``/ its round's limit``): the minimum of three noisy samples, which on a device
@@ -67,6 +76,7 @@ from dcp_plus.cli.bench.copy_beside import CopyBeside, beside_buffers
 from dcp_plus.cli.bench.limits import STREAMS, direct_read, pwrite_files, ring_buffers
 from dcp_plus.cli.bench.machine import drop_caches, load1, machine
 from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors, state_dict_nbytes
+from dcp_plus.format.values import byte_view
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.readers import LocalReader
 from dcp_plus.shm import SHM_DIR
@@ -76,11 +86,12 @@ from dcp_plus.writers.pool import shared_pool, shutdown_pool
 
 SAVES = ("slab", "slab, new workers", "bounce", "bounce, DCP's planner")
 CASES = (*SAVES, "verified load")
-LIMITS = ("write limit", "write limit + copy", "read limit", "read limit + copy")
+LIMITS = ("write limit", "write limit + copy", "read limit", "read limit + copy",
+          "read limit, torch memory")
 JUDGED = {"slab": ("write limit",), "slab, new workers": ("write limit",),
           "bounce": ("write limit", "write limit + copy"),
           "bounce, DCP's planner": ("write limit", "write limit + copy"),
-          "verified load": ("read limit", "read limit + copy")}
+          "verified load": ("read limit", "read limit + copy", "read limit, torch memory")}
 """Each case's limits: the slab path sends the slab's own pages, the others copy."""
 
 
@@ -96,6 +107,7 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.args = args
         self.sd = gpt2_like_state_dict(size_gib=args.size_gib)
         self.nbytes = state_dict_nbytes(self.sd)
+        self.state_huge = _anon_huge_bytes()  # the state is all this process has mapped yet
         self.sample = [(t, t.flatten()[:4096].clone())
                        for _, t in list(iter_tensors(self.sd))[:8]]
         self.slab = SlabState(self.sd)
@@ -113,6 +125,7 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.slab.copy_in()
         self.first_stage_s = time.perf_counter() - t
         self.rings = ring_buffers(max(STREAMS))
+        self.torch_memory = _torch_memory(self.nbytes)
         beside_buffers()
         self._save_slab(True)
         self._save_bounce()  # its planner's first save
@@ -193,6 +206,13 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         return self._best_of_streams(name,
                                      lambda k: direct_read(files, k, None, self.rings[:k]), copy)
 
+    def _read_limit_torch(self) -> float:
+        files = data_files(os.path.join(self.root, "bounce"))
+        assert self.torch_memory is not None
+        into = _aligned_bytes(self.torch_memory)
+        return self._best_of_streams("read limit, torch memory",
+                                     lambda k: direct_read(files, k, into), False)
+
     def run_round(self, i: int) -> dict[str, float]:
         """Every case once (the order flipped in odd rounds); their seconds by name."""
         flip = i % 2 == 1
@@ -206,10 +226,14 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
             # the reads need the bounce checkpoint
             "read limit": lambda: self._read_limit(False),
             "read limit + copy": lambda: self._read_limit(True),
+            "read limit, torch memory": self._read_limit_torch,
             "verified load": self._load,
         }
         limits, saves = ["write limit", "write limit + copy"], list(SAVES)
-        reads = _in_order(["read limit", "read limit + copy", "verified load"], flip)
+        reads = ["read limit", "read limit + copy", "verified load"]
+        if self.torch_memory is not None:
+            reads.insert(2, "read limit, torch memory")
+        reads = _in_order(reads, flip)
         row = {name: cases[name]() for name in [*_in_order(limits + saves, flip), *reads]}
         for name, s in row.items():
             self.samples[name].append(s)
@@ -219,7 +243,11 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         """Per case and each of its limits, the case's time over its round's limit, by round."""
         return {f"{c} / {lim}": [a / b for a, b in zip(self.samples[c], self.samples[lim],
                                                        strict=True)]
-                for c in CASES for lim in JUDGED[c]}
+                for c in CASES for lim in self.judged(c)}
+
+    def judged(self, case: str) -> list[str]:
+        """The limits ``case`` is judged against that were measured."""
+        return [lim for lim in JUDGED[case] if self.samples[lim]]
 
     def best_streams(self, limit: str) -> int:
         """The stream count whose median time over rounds is the best for ``limit``."""
@@ -232,7 +260,7 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
                     a / b for a, b in zip(self.samples[c],
                                           self.by_streams[lim][self.best_streams(lim)],
                                           strict=True)]
-                for c in CASES for lim in JUDGED[c]}
+                for c in CASES for lim in self.judged(c)}
 
     def __exit__(self, *exc: Any) -> None:
         shutdown_pool()  # its workers map the slab
@@ -240,14 +268,44 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.slab.close()
 
 
+def _anon_huge_bytes() -> int:
+    """This process's anonymous memory in transparent huge pages."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next((int(line.split()[1]) << 10 for line in f
+                     if line.startswith("AnonHugePages:")), 0)
+
+
+def _torch_memory(nbytes: int) -> torch.Tensor | None:
+    """A faulted-in uint8 CPU tensor for the state's bytes rounded up per file (plus slack),
+    allocated by torch as the state was; None when ``MemAvailable`` lacks room for it and
+    1 GiB more."""
+    need = nbytes + (64 << 20)
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    if avail < need + (1 << 30):
+        return None
+    t = torch.empty(need, dtype=torch.uint8)
+    t.zero_()
+    return t
+
+
+def _aligned_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes from its first 4 KiB boundary on (O_DIRECT's alignment)."""
+    skip = -t.data_ptr() % 4096
+    return byte_view(t)[skip:]
+
+
 def _report(r: Rounds) -> None:
     print("\n| case | median s (min-max) |\n|---|---|")
     for name in (*LIMITS, *CASES):
         x = r.samples[name]
+        if not x:
+            print(f"| {name} | not measured (too little memory for another copy) |")
+            continue
         print(f"| {name} | {statistics.median(x):.3f} ({min(x):.3f}-{max(x):.3f}) |")
     print("\n| limit, by stream count | " + " | ".join(f"{k}" for k in STREAMS)
           + " |\n|---|" + "---|" * len(STREAMS))
-    for lim in LIMITS:
+    for lim in (lim for lim in LIMITS if r.samples[lim]):
         print(f"| {lim} | " + " | ".join(f"{statistics.median(r.by_streams[lim][k]):.3f}"
                                          for k in STREAMS) + " |")
     for title, ratios in (("its round's limit", r.ratios()),
@@ -273,7 +331,9 @@ def main(argv: list[str] | None = None) -> None:
     with Rounds(args) as r:
         r.prepare()
         print(f"{r.nbytes / 1e9:.3f} GB, shared memory {SHM_DIR}, checkpoints under "
-              f"{args.dir}; first stage into the slab {r.first_stage_s:.2f} s", flush=True)
+              f"{args.dir}; first stage into the slab {r.first_stage_s:.2f} s; the state in "
+              f"2 MiB pages: {r.state_huge / max(r.nbytes, 1):.0%} (THP_MEM_ALLOC_ENABLE="
+              f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})", flush=True)
         for i in range(args.rounds):
             row = r.run_round(i)
             print(f"round {i + 1} (load avg {load1():.2f}, cache: {r.drop_method}): "
@@ -283,6 +343,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "machine": machine(), "nbytes": r.nbytes,
                        "shm_dir": SHM_DIR, "first_stage_s": r.first_stage_s,
+                       "state_huge_bytes": r.state_huge,
                        "cache_drop": r.drop_method, "samples": r.samples,
                        "by_streams": r.by_streams, "ratios": r.ratios(),
                        "ratios_by_streams": r.ratios_by_streams()}, f, indent=1)
