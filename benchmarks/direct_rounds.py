@@ -125,10 +125,10 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.slab.copy_in()
         self.first_stage_s = time.perf_counter() - t
         self.rings = ring_buffers(max(STREAMS))
-        self.torch_memory = _torch_memory(self.nbytes)
         beside_buffers()
         self._save_slab(True)
         self._save_bounce()  # its planner's first save
+        self.torch_memory = _torch_memory(self.nbytes)  # last: with the pools' memory taken
 
     def _timed(self, fn: Callable[[], object]) -> float:
         """``fn``'s seconds, from a dropped page cache after ``--settle`` seconds."""
@@ -268,6 +268,16 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.slab.close()
 
 
+def _thp_setting() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    return text.partition("[")[2].partition("]")[0] or text.strip()
+
+
 def _anon_huge_bytes() -> int:
     """This process's anonymous memory in transparent huge pages."""
     with open("/proc/self/smaps_rollup") as f:
@@ -333,7 +343,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{r.nbytes / 1e9:.3f} GB, shared memory {SHM_DIR}, checkpoints under "
               f"{args.dir}; first stage into the slab {r.first_stage_s:.2f} s; the state in "
               f"2 MiB pages: {r.state_huge / max(r.nbytes, 1):.0%} (THP_MEM_ALLOC_ENABLE="
-              f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')})", flush=True)
+              f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, THP {_thp_setting()}); "
+              f"read limit into torch memory: "
+              f"{'measured' if r.torch_memory is not None else 'skipped (memory)'}",
+              flush=True)
         for i in range(args.rounds):
             row = r.run_round(i)
             print(f"round {i + 1} (load avg {load1():.2f}, cache: {r.drop_method}): "
@@ -344,6 +357,8 @@ def main(argv: list[str] | None = None) -> None:
             json.dump({"args": vars(args), "machine": machine(), "nbytes": r.nbytes,
                        "shm_dir": SHM_DIR, "first_stage_s": r.first_stage_s,
                        "state_huge_bytes": r.state_huge,
+                       "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+                       "thp": _thp_setting(), "torch_memory_measured": r.torch_memory is not None,
                        "cache_drop": r.drop_method, "samples": r.samples,
                        "by_streams": r.by_streams, "ratios": r.ratios(),
                        "ratios_by_streams": r.ratios_by_streams()}, f, indent=1)

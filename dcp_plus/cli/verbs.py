@@ -108,12 +108,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with tqdm(total=stored_bytes(record), unit="B", unit_scale=True, desc="verifying",
                   disable=args.json or None, file=sys.stderr) as bar:
             report = verify(args.path, progress=bar.update, record=record,
-                            storage_options=options)
+                            storage_options=options, strays=True)
     except (CheckpointFormatError, CorruptCheckpointError) as e:  # the record itself is bad
         problems = [_relative(str(e), args.path)]
         if args.json:
             print(json.dumps({"path": args.path, "ok": False, "extents": 0, "bytes": 0,
-                              "problems": problems}, indent=2))
+                              "problems": problems, "stray": [], "stray_error": None},
+                             indent=2))
         else:
             print(f"CORRUPT: {problems[0]}")
             print(f"{args.path}: the commit record is not valid: FAILED")
@@ -121,23 +122,31 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": report.path, "ok": report.ok, "extents": report.extents,
                           "bytes": report.bytes, "problems": report.problems,
-                          "stray": [{"file": n, "bytes": b} for n, b in report.stray]},
-                         indent=2))
+                          "stray": [{"file": n, "bytes": b} for n, b in report.stray],
+                          "stray_error": report.stray_error}, indent=2))
     else:
         for p in report.problems:
             print(f"CORRUPT: {p}")
-        for name, size in report.stray:
-            print(f"STRAY: {name} ({'gone' if size is None else _human(size)}): not named "
-                  "by the commit record")
-        if report.stray:
-            print(f"{_plural(len(report.stray), 'file')} of "
-                  f"{_human(sum(b or 0 for _, b in report.stray))} that no load reads: left "
-                  "by a save that did not commit, or written by one still under way. Once no "
-                  "save writes into this checkpoint, they can be removed")
+        _print_strays(report)
         verdict = "OK" if report.ok else f"FAILED ({_plural(len(report.problems), 'problem')})"
         print(f"{args.path}: {_plural(report.extents, 'extent')}, {_human(report.bytes)} "
               f"checked: {verdict}")
     return 0 if report.ok else 1
+
+
+def _print_strays(report: Any) -> None:
+    """The STRAY lines of a :class:`~dcp_plus.readers.inspect.VerifyReport`, and what they
+    mean (or why they could not be told)."""
+    if report.stray_error is not None:
+        print(f"could not look for stray files: {report.stray_error}")
+    there = [(n, b) for n, b in report.stray if b is not None]
+    for name, size in there:
+        print(f"STRAY: {name} ({_human(size)}): no commit record here or beside reads it")
+    if there:
+        print(f"{_plural(len(there), 'stray file')}, {_human(sum(b for _, b in there))}: "
+              "left by an overwrite save that did not commit, or by one stopped before "
+              "removing the files its commit replaced (a save writing here now has such files "
+              "too). No load reads them: once no save writes here, they can be removed")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ from typing import Any, cast
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from dcp_plus.errors import UnsafeCheckpointError
-from dcp_plus.format.layout import is_save_file
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, dtype_name
 from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
 from dcp_plus.readers.file_check import VerifyReport, check_file
@@ -22,8 +21,9 @@ from dcp_plus.readers.locate import reader_for
 from dcp_plus.readers.parts_read import needs_parts
 from dcp_plus.readers.parts_verify import own_entries, verify_decoded
 from dcp_plus.readers.placement import place_objects
+from dcp_plus.readers.stray import stray_files
 
-__all__ = ["VerifyReport", "load_record", "stored_bytes", "stray_files", "summarize", "verify"]
+__all__ = ["VerifyReport", "load_record", "stored_bytes", "summarize", "verify"]
 
 Location = str | os.PathLike
 
@@ -51,18 +51,6 @@ def load_record(location: Location, storage_options: Mapping[str, Any] | None = 
         return _record(reader)
     finally:
         reader.close()
-
-
-def stray_files(store: Any, extents: Mapping[MetadataIndex, Extent]
-                ) -> list[tuple[str, int | None]]:
-    """The data files and extent tables in the checkpoint's folder (``store``) that its
-    record (``extents``) does not name, with their sizes (None: gone meanwhile); files kept
-    under key prefixes elsewhere are not looked for."""
-    named = {e.file for e in extents.values() if e.base is None}
-    named |= {p.file for e in extents.values() if e.parts for p in e.parts if p.where is None}
-    names = [n for n in store.list() if is_save_file(n) and n not in named]
-    sizes = store.sizes(names) if names else {}
-    return [(n, sizes.get(n)) for n in names]
 
 
 def stored_bytes(md: Metadata) -> int:
@@ -157,11 +145,15 @@ def summarize(location: Location, storage_options: Mapping[str, Any] | None = No
 
 def verify(location: Location, progress: Callable[[int], None] | None = None,
            record: Metadata | None = None,
-           storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+           storage_options: Mapping[str, Any] | None = None, *,
+           strays: bool = False) -> VerifyReport:
     """Re-read and re-checksum every extent; at most one problem line per damaged file
     (named relative to the checkpoint), naming its tensors.
 
     ``record``: the checkpoint's :func:`load_record`, if the caller has it already.
+    ``strays``: also list the save files in its folder that no record reads
+    (:func:`~dcp_plus.readers.stray.stray_files`; a failure to tell is reported in
+    ``stray_error``, not raised).
     """
     reader = _open(location, storage_options)
     try:
@@ -183,7 +175,11 @@ def verify(location: Location, progress: Callable[[int], None] | None = None,
         for name, entries in sorted(by_file.items()):
             check_file(reader._store, name, entries, dtypes, report, progress)
         verify_decoded(reader, referencing, report, progress)
-        report.stray = stray_files(reader._store, _extents(md))
+        if strays:
+            try:
+                report.stray = stray_files(reader, _extents(md), storage_options)
+            except Exception as e:  # noqa: BLE001 (the checksums stand; only this is unknown)
+                report.stray_error = str(e) or type(e).__name__
         return report
     finally:
         reader.close()

@@ -29,6 +29,7 @@ from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.format.codecs import Codec
 from dcp_plus.format.extent import Extent
 from dcp_plus.format.extent_set import extent_files
+from dcp_plus.format.layout import extent_table_name
 from dcp_plus.format.parts import CHUNKED
 from dcp_plus.format.record import MAX_RECORD_BYTES, RECORD_NAME, encode_record
 from dcp_plus.format.storage_meta import JsonRecordStorageMeta
@@ -42,7 +43,6 @@ from dcp_plus.writers.commit_files import committed_by_another, files_written, r
 from dcp_plus.writers.extent_tables import (
     build_extents,
     collect_extents,
-    extent_table_name,
     table_prefixes,
     write_results,
 )

@@ -70,8 +70,18 @@ def test_files_no_record_names_are_listed_as_stray_not_as_damage(ckpt: Path) -> 
         {"file": f"{rank_k}.{other}.dcpp", "bytes": (ckpt / data).stat().st_size},
         {"file": f"__0.{other}.extents", "bytes": 2}], key=lambda s: s["file"])
     text = run("verify", str(ckpt)).stdout
-    assert f"STRAY: {rank_k}.{other}.dcpp" in text and "2 files of" in text
+    assert f"STRAY: {rank_k}.{other}.dcpp" in text and "2 stray files" in text
     assert text.rstrip().endswith("checked: OK"), text
+
+
+def test_a_save_file_that_cannot_be_sized_leaves_the_verdict_alone(ckpt: Path) -> None:
+    (ckpt / ("__0_0." + "e" * 16 + ".dcpp")).mkdir()  # a directory by a data file's name
+    proc = run("verify", str(ckpt), "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0 and report["problems"] == [] and report["stray"] == []
+    assert "e" * 16 in report["stray_error"], report
+    text = run("verify", str(ckpt)).stdout
+    assert "could not look for stray files" in text and text.rstrip().endswith("OK"), text
 
 
 def test_a_truncated_file_is_one_line_naming_its_tensors(ckpt: Path) -> None:

@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
-from dcp_plus import CheckpointManager
+from dcp_plus import CheckpointManager, LocalReader, SafeLoadPlanner
 from dcp_plus.cli.gc import collect
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.manager.retention import to_remove
@@ -129,18 +130,44 @@ def test_saving_a_step_again_keeps_what_other_checkpoints_reference(tmp_path):
     save, and the files of the step 2 it replaced stay for step 3."""
     state = _state()
     seen = _run(tmp_path, range(1, 4), state, incremental=True, keep_last=None)
+    step2 = tmp_path / "step_00000002"
     with CheckpointManager(tmp_path, interval=1, incremental=True, keep_last=None) as m:
-        for step in (2, 2, 3):  # the same step twice in a row, then again the newest
+        for i, step in enumerate((2, 2, 3)):  # the same step twice in a row, then the newest
+            replaced = {e["file"] for e in _record(tmp_path, step)["extents"]
+                        if (tmp_path / f"step_{step:08d}" / e["file"]).exists()}  # its own
             _touch(state, 10 + step)
             m.save(step, state).result(timeout=120)
             seen[step] = clone_state(state)
+            if i == 0:  # step 3 reads the tensor file of the step 2 just replaced
+                report = verify(str(step2), strays=True)
+                assert report.ok and report.stray_error is None, report
+                read_by_3 = {f for f in replaced if f.startswith("__0_0.")}
+                assert read_by_3 and all((step2 / f).exists() for f in read_by_3)
+                assert not read_by_3 & {name for name, _ in report.stray}, report
 
+    # what verify calls stray is what no record reads: removing it breaks no checkpoint
+    removed = []
+    for step in (1, 2, 3):
+        folder = tmp_path / f"step_{step:08d}"
+        report = verify(str(folder), strays=True)
+        assert report.ok and report.stray_error is None, (step, report)
+        for name, _ in report.stray:
+            (folder / name).unlink()
+            removed.append((step, name))
+    # the second re-save of step 2 and the re-save of step 3 left files nothing reads now
+    assert {s for s, _ in removed} == {2, 3}, removed
     for step in (1, 2, 3):
         assert verify(str(tmp_path / f"step_{step:08d}")).ok, step
     target = {k: torch.zeros_like(v) if torch.is_tensor(v) else None for k, v in state.items()}
     with CheckpointManager(tmp_path, read_only=True) as m:
         assert m.load_latest(target) == 3
     assert_bit_exact(target, seen[3])
+    for step in (1, 2):
+        target = {k: torch.zeros_like(v) if torch.is_tensor(v) else None
+                  for k, v in state.items()}
+        dcp.load(target, storage_reader=LocalReader(tmp_path / f"step_{step:08d}"),
+                 planner=SafeLoadPlanner(), no_dist=True)
+        assert_bit_exact(target, seen[step])
 
 
 def test_retention_cut_short_never_leaves_a_checkpoint_whose_base_is_gone(tmp_path):

@@ -1,0 +1,89 @@
+"""Save files in a checkpoint's folder that no commit record reads.
+
+A save writes data files (and, in a multi-rank save, extent tables) beside the record it
+commits. An overwrite save killed before its commit leaves its own; one stopped between its
+commit and its clean-up leaves those of the record it replaced. An incremental overwrite
+(``Increments(keep_replaced=True)``: the manager's and TorchTitan's) keeps the replaced files
+on purpose, because checkpoints beside it may read them: those stay out of the list while a
+committed sibling's record reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from dcp_plus.errors import CheckpointNotFoundError
+from dcp_plus.format.extent_set import extent_files
+from dcp_plus.format.layout import is_save_file
+from dcp_plus.format.parts import Part
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record
+from dcp_plus.manager.storage import backend_for
+from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
+from dcp_plus.storage.location import sibling_path
+
+
+def stray_files(reader: ExtentReader, extents: Mapping[MetadataIndex, Extent],
+                storage_options: Mapping[str, Any] | None = None
+                ) -> list[tuple[str, int | None]]:
+    """The save files in ``reader``'s checkpoint folder that neither its own record
+    (``extents``) nor a committed sibling's reads, sorted, with their sizes (None: gone
+    meanwhile). Files kept under key prefixes elsewhere are not looked for.
+
+    Raises:
+        DcpPlusError, OSError: the folder or a sibling's record could not be read (then
+            no file can be said to be unread).
+    """
+    store = reader._store
+    named = extent_files(extents)
+    candidates = sorted(n for n in store.list() if is_save_file(n) and n not in named)
+    if candidates:
+        read_by_siblings = _read_by_siblings(reader, storage_options)
+        candidates = [n for n in candidates if n not in read_by_siblings]
+    sizes = store.sizes(candidates) if candidates else {}
+    return [(n, sizes.get(n)) for n in candidates]
+
+
+def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] | None
+                      ) -> set[str]:
+    """The files of ``reader``'s checkpoint that the commit records beside it read."""
+    where, sep, query = reader.path.partition("?")
+    name = where.rstrip("/").rpartition("/")[2]
+    parent = sibling_path(reader.path, "").partition("?")[0].rstrip("/") or "."
+    backend, location = backend_for(parent + sep + query, storage_options)
+    out: set[str] = set()
+    for other in backend.listdir(location):
+        if other == name or other.startswith("."):
+            continue
+        sibling = reader.sibling(other)
+        try:
+            data = sibling._record_bytes()
+        except CheckpointNotFoundError:
+            continue  # not a checkpoint, or an uncommitted one: it reads nothing
+        finally:
+            sibling.close()
+        if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
+            continue  # a stock DCP checkpoint references no other
+        record = decode_record(data, sibling._location(RECORD_NAME))
+        out |= files_read_in(record.storage_data.values(), name)
+    return out
+
+
+def files_read_in(extents: Iterable[Extent], name: str) -> set[str]:
+    """The files of the sibling checkpoint ``name`` that ``extents`` (another checkpoint's)
+    read: whole extents it is the ``base`` of, and parts (delta bases included) lying there."""
+    out: set[str] = set()
+    for e in extents:
+        if e.base is None and e.parts is None:
+            continue
+        if e.base == name:
+            out.add(e.file)
+        for part in e.parts or ():
+            q: Part | None = part
+            while q is not None:
+                if (q.where or e.base) == name:
+                    out.add(q.file)
+                q = q.against
+    return out
