@@ -97,6 +97,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     malformed, oversized or not a regular file); 2: no checkpoint at all."""
     from tqdm import tqdm
 
+    from dcp_plus.cli.stray import strays
     from dcp_plus.readers.inspect import load_record, stored_bytes, verify
 
     options = parse_storage_options(args.storage_option)
@@ -108,7 +109,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         with tqdm(total=stored_bytes(record), unit="B", unit_scale=True, desc="verifying",
                   disable=args.json or None, file=sys.stderr) as bar:
             report = verify(args.path, progress=bar.update, record=record,
-                            storage_options=options, strays=True)
+                            storage_options=options)
+        stray, stray_error = strays(args.path, record, options)
     except (CheckpointFormatError, CorruptCheckpointError) as e:  # the record itself is bad
         problems = [_relative(str(e), args.path)]
         if args.json:
@@ -122,24 +124,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": report.path, "ok": report.ok, "extents": report.extents,
                           "bytes": report.bytes, "problems": report.problems,
-                          "stray": [{"file": n, "bytes": b} for n, b in report.stray],
-                          "stray_error": report.stray_error}, indent=2))
+                          "stray": [{"file": n, "bytes": b} for n, b in stray],
+                          "stray_error": stray_error}, indent=2))
     else:
         for p in report.problems:
             print(f"CORRUPT: {p}")
-        _print_strays(report)
+        _print_strays(stray, stray_error)
         verdict = "OK" if report.ok else f"FAILED ({_plural(len(report.problems), 'problem')})"
         print(f"{args.path}: {_plural(report.extents, 'extent')}, {_human(report.bytes)} "
               f"checked: {verdict}")
     return 0 if report.ok else 1
 
 
-def _print_strays(report: Any) -> None:
-    """The STRAY lines of a :class:`~dcp_plus.readers.inspect.VerifyReport`, and what they
-    mean (or why they could not be told)."""
-    if report.stray_error is not None:
-        print(f"could not look for stray files: {report.stray_error}")
-    there = [(n, b) for n, b in report.stray if b is not None]
+def _print_strays(stray: list[tuple[str, int | None]], error: str | None) -> None:
+    """The STRAY lines of :func:`~dcp_plus.cli.stray.strays`, and what they mean (or why
+    they could not be told)."""
+    if error is not None:
+        print(f"could not look for stray files: {error}")
+    there = [(n, b) for n, b in stray if b is not None]
     for name, size in there:
         print(f"STRAY: {name} ({_human(size)}): no commit record here or beside reads it")
     if there:

@@ -43,12 +43,6 @@ class VerifyReport:
     extents: int = 0
     bytes: int = 0
     problems: list[str] = field(default_factory=list)
-    stray: list[tuple[str, int | None]] = field(default_factory=list)
-    """Save files (data files, extent tables) in the checkpoint's folder that neither its
-    record nor a committed sibling's reads, with their sizes (None: gone meanwhile); only
-    when asked for. Not damage: no load reads them."""
-    stray_error: str | None = None
-    """Why the stray files could not be told (then :attr:`stray` is empty)."""
 
     @property
     def ok(self) -> bool:

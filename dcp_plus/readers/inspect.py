@@ -21,7 +21,6 @@ from dcp_plus.readers.locate import reader_for
 from dcp_plus.readers.parts_read import needs_parts
 from dcp_plus.readers.parts_verify import own_entries, verify_decoded
 from dcp_plus.readers.placement import place_objects
-from dcp_plus.readers.stray import stray_files
 
 __all__ = ["VerifyReport", "load_record", "stored_bytes", "summarize", "verify"]
 
@@ -145,15 +144,11 @@ def summarize(location: Location, storage_options: Mapping[str, Any] | None = No
 
 def verify(location: Location, progress: Callable[[int], None] | None = None,
            record: Metadata | None = None,
-           storage_options: Mapping[str, Any] | None = None, *,
-           strays: bool = False) -> VerifyReport:
+           storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
     """Re-read and re-checksum every extent; at most one problem line per damaged file
     (named relative to the checkpoint), naming its tensors.
 
     ``record``: the checkpoint's :func:`load_record`, if the caller has it already.
-    ``strays``: also list the save files in its folder that no record reads
-    (:func:`~dcp_plus.readers.stray.stray_files`; a failure to tell is reported in
-    ``stray_error``, not raised).
     """
     reader = _open(location, storage_options)
     try:
@@ -175,11 +170,6 @@ def verify(location: Location, progress: Callable[[int], None] | None = None,
         for name, entries in sorted(by_file.items()):
             check_file(reader._store, name, entries, dtypes, report, progress)
         verify_decoded(reader, referencing, report, progress)
-        if strays:
-            try:
-                report.stray = stray_files(reader, _extents(md), storage_options)
-            except Exception as e:  # noqa: BLE001 (the checksums stand; only this is unknown)
-                report.stray_error = str(e) or type(e).__name__
         return report
     finally:
         reader.close()

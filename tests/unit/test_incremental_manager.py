@@ -13,9 +13,10 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_plus import CheckpointManager, LocalReader, SafeLoadPlanner
 from dcp_plus.cli.gc import collect
+from dcp_plus.cli.stray import strays
 from dcp_plus.errors import InvalidOptionError
 from dcp_plus.manager.retention import to_remove
-from dcp_plus.readers.inspect import verify
+from dcp_plus.readers.inspect import load_record, verify
 from tests.conftest import assert_bit_exact, clone_state, flip_byte, random_tensor
 
 ROWS = 4096  # 4 MiB of float32 rows of 256: 4 parts of 1 MiB
@@ -139,19 +140,19 @@ def test_saving_a_step_again_keeps_what_other_checkpoints_reference(tmp_path):
             m.save(step, state).result(timeout=120)
             seen[step] = clone_state(state)
             if i == 0:  # step 3 reads the tensor file of the step 2 just replaced
-                report = verify(str(step2), strays=True)
-                assert report.ok and report.stray_error is None, report
+                stray, error = strays(step2, load_record(step2))
+                assert error is None, error
                 read_by_3 = {f for f in replaced if f.startswith("__0_0.")}
                 assert read_by_3 and all((step2 / f).exists() for f in read_by_3)
-                assert not read_by_3 & {name for name, _ in report.stray}, report
+                assert not read_by_3 & {name for name, _ in stray}, stray
 
     # what verify calls stray is what no record reads: removing it breaks no checkpoint
     removed = []
     for step in (1, 2, 3):
         folder = tmp_path / f"step_{step:08d}"
-        report = verify(str(folder), strays=True)
-        assert report.ok and report.stray_error is None, (step, report)
-        for name, _ in report.stray:
+        stray, error = strays(folder, load_record(folder))
+        assert verify(str(folder)).ok and error is None, (step, error)
+        for name, _ in stray:
             (folder / name).unlink()
             removed.append((step, name))
     # the second re-save of step 2 and the re-save of step 3 left files nothing reads now

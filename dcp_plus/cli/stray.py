@@ -10,10 +10,11 @@ committed sibling's record reads them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from dcp_plus.errors import CheckpointNotFoundError
 from dcp_plus.format.extent_set import extent_files
@@ -22,7 +23,23 @@ from dcp_plus.format.parts import Part
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record
 from dcp_plus.manager.storage import backend_for
 from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
+from dcp_plus.readers.locate import reader_for
 from dcp_plus.storage.location import sibling_path
+
+
+def strays(location: str | os.PathLike, record: Metadata,
+           storage_options: Mapping[str, Any] | None = None
+           ) -> tuple[list[tuple[str, int | None]], str | None]:
+    """:func:`stray_files` of the checkpoint at ``location`` (its ``record`` decoded), and
+    why they could not be told (None when they could)."""
+    reader = reader_for(location, storage_options)
+    try:
+        return stray_files(reader, cast(Mapping[MetadataIndex, Extent], record.storage_data),
+                           storage_options), None
+    except Exception as e:  # noqa: BLE001 (the checksums' verdict stands; only this is unknown)
+        return [], str(e) or type(e).__name__
+    finally:
+        reader.close()
 
 
 def stray_files(reader: ExtentReader, extents: Mapping[MetadataIndex, Extent],
