@@ -325,17 +325,25 @@ def _report(r: Rounds) -> None:
             print(f"| {name} | **{statistics.median(x):.3f}x** ({min(x):.2f}-{max(x):.2f}) |")
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def round_args(doc: str, argv: list[str] | None, rounds: int,
+               settle: float) -> argparse.Namespace:
+    """The arguments of a benchmark in rounds: ``--size-gib``, ``--rounds``, ``--dir``,
+    ``--settle`` and ``--json``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--size-gib", type=float, default=2.0)
-    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=rounds)
     p.add_argument("--dir", default="/var/tmp", help="where the checkpoints go (a real disk)")
-    p.add_argument("--settle", type=float, default=2.0,
+    p.add_argument("--settle", type=float, default=settle,
                    help="seconds between dropping the page cache and each case")
     p.add_argument("--json", help="write every sample here")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = round_args(__doc__, argv, rounds=8, settle=2.0)
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
     with Rounds(args) as r:

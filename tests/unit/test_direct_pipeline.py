@@ -16,7 +16,14 @@ import pytest
 
 from dcp_plus.format.checksum import checksum_bytes
 from dcp_plus.storage.buffers import HUGE_PAGE, BufferPool, transfer_buffer
-from dcp_plus.storage.direct_extents import COPIERS, PIECE, _plan, read_bounce_pool
+from dcp_plus.storage.direct_extents import (
+    COPIERS,
+    MANY_EXTENTS,
+    PIECE,
+    _order,
+    _plan,
+    read_bounce_pool,
+)
 from dcp_plus.storage.direct_read import DIRECT_ALIGN, address
 from dcp_plus.storage.direct_store import DirectFileStore
 
@@ -75,6 +82,13 @@ def test_streams_with_copiers_fill_every_buffer_bit_exact_with_its_checksum(
     root, data, extents = data_file
     store = DirectFileStore(str(root), direct_io=True)
     assert store.uses_direct("f.dcpp")
+    read_and_check(store, data, extents, shift, streams)
+
+
+def read_and_check(store: DirectFileStore, data: bytes, extents: list[tuple[int, int]],
+                   shift: int, streams: int) -> None:
+    """Read ``extents`` of ``f.dcpp`` into buffers ``shift`` bytes into a page, hashed, and
+    check every byte and checksum (empty extents: never done)."""
     bufs = [buffer(n, shift) for _, n in extents]
     sums: dict[int, str | None] = {}
     with ThreadPoolExecutor(streams + COPIERS) as pool:
@@ -84,7 +98,39 @@ def test_streams_with_copiers_fill_every_buffer_bit_exact_with_its_checksum(
         assert bytes(bufs[k]) == data[off : off + n], k
         if n:
             assert sums[k] == checksum_bytes(data[off : off + n])
-    assert set(sums) == {k for k, (_, n) in enumerate(extents) if n}  # empty: never done
+    assert set(sums) == {k for k, (_, n) in enumerate(extents) if n}
+
+
+def test_requests_of_many_extents_are_read_right_after_the_first_ones():
+    small = [("a", PIECE + 3 * MiB + i * DIRECT_ALIGN, 100) for i in range(MANY_EXTENTS)]
+    extents = [("a", 0, PIECE + 3 * MiB), *small, ("b", 0, 5 * PIECE)]
+    planned = _plan(extents)
+    many = [r for r in planned if len(r.pieces) > MANY_EXTENTS]
+    assert len(many) == 1 and planned.index(many[0]) == 1  # at the end of file a
+    for streams in (1, 4):
+        ordered = _order(planned, streams)
+        assert ordered.index(many[0]) == streams
+        assert [r for r in ordered if r is not many[0]] == [r for r in planned
+                                                           if r is not many[0]]
+    few = _plan(extents[:MANY_EXTENTS - 1])  # fewer: nothing moves
+    assert _order(few, 1) == few
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("shift", [0, 64])
+def test_a_file_ending_in_many_small_extents_reads_exact(tmp_path: Path, streams: int,
+                                                         shift: int):
+    # the big extent's last bytes share the request of the small ones, which is read
+    # before the big one's first bytes: hashed in order all the same
+    sizes = [PIECE + MiB + 4097] + [1 + (i * 997) % 5000 for i in range(2 * MANY_EXTENTS)]
+    sizes += [2 * PIECE + 5]
+    extents = layout(sizes)
+    data = os.urandom(extents[-1][0] + extents[-1][1])
+    (tmp_path / "f.dcpp").write_bytes(data)
+    store = DirectFileStore(str(tmp_path), direct_io=True)
+    if not store.uses_direct("f.dcpp"):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    read_and_check(store, data, extents, shift, streams)
 
 
 def test_the_bounce_buffers_outlive_a_store(data_file):
