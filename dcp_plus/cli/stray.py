@@ -10,6 +10,7 @@ committed sibling's record reads them.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
@@ -19,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from dcp_plus.errors import CheckpointNotFoundError
 from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_save_file
-from dcp_plus.format.parts import Part
+from dcp_plus.format.parts import spans
 from dcp_plus.format.record import RECORD_NAME, Extent, decode_record
 from dcp_plus.manager.storage import backend_for
 from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
@@ -70,6 +71,8 @@ def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] |
     name = where.rstrip("/").rpartition("/")[2]
     parent = sibling_path(reader.path, "").partition("?")[0].rstrip("/") or "."
     backend, location = backend_for(parent + sep + query, storage_options)
+    # a name JSON leaves as it is appears verbatim in any record that references it
+    needle = name.encode() if json.dumps(name) == f'"{name}"' else None
     out: set[str] = set()
     for other in backend.listdir(location):
         if other == name or other.startswith("."):
@@ -83,6 +86,8 @@ def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] |
             sibling.close()
         if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
             continue  # a stock DCP checkpoint references no other
+        if needle is not None and needle not in data:
+            continue  # a record that names no file here (the common case) is not decoded
         record = decode_record(data, sibling._location(RECORD_NAME))
         out |= files_read_in(record.storage_data.values(), name)
     return out
@@ -91,16 +96,4 @@ def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] |
 def files_read_in(extents: Iterable[Extent], name: str) -> set[str]:
     """The files of the sibling checkpoint ``name`` that ``extents`` (another checkpoint's)
     read: whole extents it is the ``base`` of, and parts (delta bases included) lying there."""
-    out: set[str] = set()
-    for e in extents:
-        if e.base is None and e.parts is None:
-            continue
-        if e.base == name:
-            out.add(e.file)
-        for part in e.parts or ():
-            q: Part | None = part
-            while q is not None:
-                if (q.where or e.base) == name:
-                    out.add(q.file)
-                q = q.against
-    return out
+    return {file for e in extents for where, file, _ in spans(e) if where == name}

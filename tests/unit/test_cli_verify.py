@@ -74,6 +74,23 @@ def test_files_no_record_names_are_listed_as_stray_not_as_damage(ckpt: Path) -> 
     assert text.rstrip().endswith("checked: OK"), text
 
 
+def test_only_sibling_records_that_name_the_checkpoint_are_decoded(ckpt: Path) -> None:
+    data = sorted(by_file(ckpt))[0]
+    stray = data.replace(data.split(".")[1], "f" * len(data.split(".")[1]))
+    shutil.copy(ckpt / data, ckpt / stray)
+    other = ckpt.parent / "other"
+    other.mkdir()
+    (other / ".metadata").write_bytes(b'{"damaged": "refers to nothing here"')
+    report = json.loads(run("verify", str(ckpt), "--json").stdout)
+    assert [s["file"] for s in report["stray"]] == [stray]
+    assert report.get("stray_error") is None, report
+    # a record that may reference it must be read: damaged, it leaves the files untold
+    (other / ".metadata").write_bytes(b'{"damaged": "refers to ckpt"')
+    report = json.loads(run("verify", str(ckpt), "--json").stdout)
+    assert report["stray"] == [] and "other" in report["stray_error"], report
+    assert report["problems"] == []
+
+
 def test_a_save_file_that_cannot_be_sized_leaves_the_verdict_alone(ckpt: Path) -> None:
     (ckpt / ("__0_0." + "e" * 16 + ".dcpp")).mkdir()  # a directory by a data file's name
     proc = run("verify", str(ckpt), "--json")
