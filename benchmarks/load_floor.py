@@ -4,8 +4,8 @@
 
 dcp_plus files keep every extent 4 KiB-aligned (DESIGN §4), and ``O_DIRECT`` lands a 4 KiB
 file block only at a 4 KiB-aligned address; torch's CPU tensors start 64 bytes (or any
-multiple of 64) into a page. So a load reads each tensor's body 4 KiB past a boundary and
-moves it down into place, and hashes it on the way: one more pass over the state's memory
+multiple of 64) into a page. So a load reads each tensor's body at the tensor's first 4 KiB
+boundary and moves it down into place, and hashes it on the way: one more pass over the state's memory
 than the device's own transfer. Each round, in one process, from a dropped page cache
 (order reversed every other round):
 
@@ -14,8 +14,8 @@ read limit        the checkpoint's files read with O_DIRECT by 4 threads into fo
 into torch memory the same 16 MiB requests, 4 in flight (6 threads), into one torch tensor of
                   the state's size, at 4 KiB-aligned places: the device into memory of the
                   state's kind
-+ move + hash     the same, each request landing 4 KiB past a place that starts 64 bytes into a
-                  page and moved down, a MiB at a time, each MiB hashed after its move (what
++ move + hash     the same, each request landing at the 4 KiB boundary after a place that
+                  starts 64 bytes into a page (4,032 bytes past it) and moved down, a MiB at a time, each MiB hashed after its move (what
                   ``LocalReader`` does per tensor): the floor of any verified O_DIRECT load
                   into unaligned memory of 4 KiB-aligned extents
 verified load     ``dcp.load`` of the state (zeroed first) with ``LocalReader`` and
@@ -31,7 +31,6 @@ file offsets congruent to the destinations' (DESIGN §4 as proposed) would win h
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -50,7 +49,7 @@ from benchmarks.direct_rounds import round_args
 from benchmarks.save_load import data_files
 from dcp_plus.cli.bench.limits import direct_read, ring_buffers
 from dcp_plus.cli.bench.machine import drop_caches, machine
-from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors
+from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors, map_tensors
 from dcp_plus.format.checksum import checksum_bytes, new_hasher
 from dcp_plus.format.values import byte_view
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
@@ -67,27 +66,21 @@ CASES = ("read limit", "into torch memory", "+ move + hash", "verified load",
 
 
 def aligned_copy(sd: Any) -> tuple[Any, torch.Tensor]:
-    """A zeroed copy of ``sd`` whose tensors all start at 4 KiB boundaries of one buffer
-    (returned too: it owns the memory)."""
+    """``sd`` with every tensor replaced by a zeroed one of its shape and dtype that starts at
+    a 4 KiB boundary of one buffer (returned too: it owns the memory); other values kept."""
     tensors = [t for _, t in iter_tensors(sd)]
     need = sum(-(-t.numel() * t.element_size() // PAGE) * PAGE for t in tensors) + PAGE
     arena = torch.zeros(need, dtype=torch.uint8)
     at = -arena.data_ptr() % PAGE
 
-    def carve(obj: Any) -> Any:
+    def carve(t: torch.Tensor) -> torch.Tensor:
         nonlocal at
-        if isinstance(obj, torch.Tensor):
-            n = obj.numel() * obj.element_size()
-            view = arena[at:at + n].view(obj.dtype).view(obj.shape)
-            at += -(-n // PAGE) * PAGE
-            return view
-        if isinstance(obj, dict):
-            return {k: carve(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [carve(v) for v in obj]
-        return copy.deepcopy(obj)
+        n = t.numel() * t.element_size()
+        view = arena[at:at + n].view(t.dtype).view(t.shape)
+        at += -(-n // PAGE) * PAGE
+        return view
 
-    return carve(sd), arena
+    return map_tensors(sd, carve), arena
 
 
 def requests_of(files: list[str]) -> list[tuple[str, int, int]]:
@@ -102,8 +95,9 @@ def requests_of(files: list[str]) -> list[tuple[str, int, int]]:
 def floor_read(reqs: list[tuple[str, int, int]], memory: torch.Tensor, move: bool,
                streams: int = 4, copiers: int = 2) -> None:
     """``reqs`` read with O_DIRECT, ``streams`` at a time on ``streams + copiers`` threads,
-    request ``i`` into its own slot of ``memory``; with ``move``, read 4 KiB past a place
-    ``TORCH_OFFSET`` bytes into a page and moved down a ``STEP`` at a time, each hashed."""
+    request ``i`` into its own slot of ``memory``; with ``move``, read at the 4 KiB boundary
+    after a place ``TORCH_OFFSET`` bytes into a page and moved down to it a ``STEP`` at a
+    time, each hashed."""
     mem = byte_view(memory)
     start = memory.data_ptr()
     base = start + (-start % PAGE)
@@ -122,7 +116,9 @@ def floor_read(reqs: list[tuple[str, int, int]], memory: torch.Tensor, move: boo
                     return
                 land = base + i * slot + (PAGE if move else 0)
                 with reading:
-                    os.preadv(fds[f], [mem[land - start:land - start + n]], off)
+                    got = os.preadv(fds[f], [mem[land - start:land - start + n]], off)
+                if got < min(n, os.fstat(fds[f]).st_size - off):
+                    raise EOFError(f"{f}: {got} bytes at {off}, short of the file")
                 if move:
                     dst, hasher = base + i * slot + TORCH_OFFSET, new_hasher()
                     for s in range(0, n, STEP):
@@ -146,10 +142,12 @@ def floor_read(reqs: list[tuple[str, int, int]], memory: torch.Tensor, move: boo
 
 
 def checksums(sd: Any) -> list[str]:
+    """Every tensor's checksum, in ``iter_tensors`` order."""
     return [checksum_bytes(byte_view(t)) for _, t in iter_tensors(sd)]
 
 
 def zero(sd: Any) -> None:
+    """Zero every tensor of ``sd`` (a load must then fill them all)."""
     for _, t in iter_tensors(sd):
         t.zero_()
 

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from dcp_plus.errors import CheckpointNotFoundError
 from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_save_file
-from dcp_plus.format.parts import spans
-from dcp_plus.format.record import RECORD_NAME, Extent, decode_record
+from dcp_plus.format.parts import sibling_problem, spans
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, record_sealed
 from dcp_plus.manager.storage import backend_for
 from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
 from dcp_plus.readers.locate import reader_for
@@ -71,8 +71,10 @@ def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] |
     name = where.rstrip("/").rpartition("/")[2]
     parent = sibling_path(reader.path, "").partition("?")[0].rstrip("/") or "."
     backend, location = backend_for(parent + sep + query, storage_options)
-    # a name JSON leaves as it is appears verbatim in any record that references it
-    needle = name.encode() if json.dumps(name) == f'"{name}"' else None
+    if sibling_problem(name) is not None:
+        return set()  # no record can reference a folder by a name a reference may not hold
+    # such names are JSON strings of their own characters, whole in every reference
+    needle = json.dumps(name).encode()
     out: set[str] = set()
     for other in backend.listdir(location):
         if other == name or other.startswith("."):
@@ -86,9 +88,10 @@ def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] |
             sibling.close()
         if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
             continue  # a stock DCP checkpoint references no other
-        if needle is not None and needle not in data:
-            continue  # a record that names no file here (the common case) is not decoded
-        record = decode_record(data, sibling._location(RECORD_NAME))
+        source = sibling._location(RECORD_NAME)
+        if needle not in data and b"\\u" not in data and record_sealed(data, source):
+            continue  # an intact record that names no file here (the common case): not decoded
+        record = decode_record(data, source)
         out |= files_read_in(record.storage_data.values(), name)
     return out
 

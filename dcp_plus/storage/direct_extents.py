@@ -156,6 +156,7 @@ class DirectRead:
         self._lock = threading.Lock()
         self._streams = streams
         self._reading = threading.Semaphore(streams)
+        self._extents: Sequence[tuple[str, int, int]] = ()
 
     def run(self, extents: Sequence[tuple[str, int, int]],
             open_extent: Callable[[int], memoryview], done: Done,
@@ -169,6 +170,7 @@ class DirectRead:
         (:class:`ExtentEOFError` for a file that ends before an extent does). Empty extents
         are neither opened nor done."""
         requests = _order(_plan(extents), self._streams)
+        self._extents = extents
         progress = _Progress(done, hashed)
 
         def views(req: RangeRequest) -> list[memoryview | None]:
@@ -230,20 +232,18 @@ class DirectRead:
                 for v in iovecs:
                     v.release()
             if got < req.start + req.length - layout.start:
-                raise self._eof(req, layout.start + got)
+                raise self._eof(req, os.fstat(fd).st_size)
             for landing in layout.landings:
                 if landing.view is not None:
                     _settle(landing, side_at, progress)
 
-    def _eof(self, req: RangeRequest, at: int) -> ExtentEOFError:
-        """The error for ``req``'s file ending at byte ``at``, naming the extent cut there."""
-        cut = req.pieces[-1][0]
-        for (k, lo, hi), s in zip(req.pieces, _starts(req), strict=True):
-            if k >= 0 and s + hi - lo > at:
-                cut = k
-                break
+    def _eof(self, req: RangeRequest, size: int) -> ExtentEOFError:
+        """The error for ``req``'s file ending at byte ``size``, naming the first extent the
+        end cuts (requests do not run in file order: ``req`` may start past that extent)."""
+        cut = [(off, k) for k, (name, off, n) in enumerate(self._extents)
+               if name == req.name and n and off + n > size]
         return ExtentEOFError(f"{self._location(req.name)}: unexpected end of file at byte "
-                              f"{at}", cut)
+                              f"{size}", min(cut)[1] if cut else req.pieces[-1][0])
 
 
 def _view(landing: Landing) -> memoryview:
@@ -281,18 +281,16 @@ def _plan(extents: Sequence[tuple[str, int, int]]) -> list[RangeRequest]:
 
 
 def _order(requests: list[RangeRequest], streams: int) -> list[RangeRequest]:
-    """``requests`` with those of :data:`MANY_EXTENTS` extents or more moved up to follow the
-    first ``streams``: each extent is checked and delivered on its own once in (~25 us), so
-    a request of hundreds of small ones (biases, norms, optimizer steps: writers put them
-    at the end of a file) takes ~10 ms after its read, all after the last read if it came
-    last. Early, that work overlaps the reads after it; not first, so that opening its
-    extents' destinations does not hold back the first reads."""
-    many = [r for r in requests if sum(k >= 0 for k, _, _ in r.pieces) >= MANY_EXTENTS]
-    if not many:
-        return requests
-    moved = {id(r) for r in many}
-    rest = [r for r in requests if id(r) not in moved]
-    return rest[:streams] + many + rest[streams:]
+    """``requests`` with those after the first ``streams`` that hold :data:`MANY_EXTENTS`
+    extents or more moved up to follow them: each extent is checked and delivered on its own
+    once in (~25 us), so a request of hundreds of small ones (biases, norms, optimizer steps:
+    writers put them at the end of a file) takes ~10 ms after its read, all after the last
+    read if it came last. Early, that work overlaps the reads after it; not first, so that
+    opening its extents' destinations does not hold back the first reads."""
+    head, tail = requests[:streams], requests[streams:]
+    many = [len([k for k, _, _ in r.pieces if k >= 0]) >= MANY_EXTENTS for r in tail]
+    return (head + [r for r, m in zip(tail, many, strict=True) if m]
+            + [r for r, m in zip(tail, many, strict=True) if not m])
 
 
 def _starts(req: RangeRequest) -> list[int]:

@@ -20,9 +20,15 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def files(tmp_path: Path) -> list[str]:
+def direct_dir(tmp_path: Path) -> Path:
     if direct_refusal(str(tmp_path)) is not None:
         pytest.skip(f"{tmp_path} [{fs_type(str(tmp_path))}] refuses O_DIRECT")
+    return tmp_path
+
+
+@pytest.fixture
+def files(direct_dir: Path) -> list[str]:
+    tmp_path = direct_dir
     out = []
     for name, size in (("a", REQUEST + 5 * MiB), ("b", 3 * PAGE)):
         path = tmp_path / name
@@ -50,7 +56,7 @@ def test_floor_reads_land_every_byte_where_the_request_says(files: list[str], mo
 
 def test_aligned_copy_has_every_tensor_at_a_page_boundary_with_its_shape_and_dtype():
     sd = {"w": torch.ones(3, 5), "m": {"b": torch.ones(7, dtype=torch.bfloat16)},
-          "l": [torch.ones(2, dtype=torch.int64), 4], "lr": 0.1}
+          "l": [torch.ones(2, dtype=torch.int64), 4], "t": (torch.ones(3), "x"), "lr": 0.1}
     copy, arena = aligned_copy(sd)
     got = dict(iter_tensors(copy))
     for name, t in iter_tensors(sd):
@@ -58,10 +64,13 @@ def test_aligned_copy_has_every_tensor_at_a_page_boundary_with_its_shape_and_dty
         assert (c.shape, c.dtype) == (t.shape, t.dtype) and not c.any()
         assert c.data_ptr() % PAGE == 0
         assert arena.data_ptr() <= c.data_ptr() < arena.data_ptr() + arena.numel()
-    assert copy["lr"] == 0.1 and copy["l"][1] == 4
+    assert copy["lr"] == 0.1 and copy["l"][1] == 4 and copy["t"][1] == "x"
 
 
-def test_a_small_run_loads_bit_exact_and_writes_every_ratio(files: list[str], tmp_path: Path):
+def test_a_small_run_loads_bit_exact_and_writes_every_ratio(direct_dir: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    tmp_path = direct_dir
+    monkeypatch.setattr(load_floor, "drop_caches", lambda paths: "none")  # not the machine's
     out = tmp_path / "floor.json"
     load_floor.main(["--size-gib", "0.02", "--rounds", "2", "--settle", "0",
                      "--dir", str(tmp_path), "--json", str(out)])

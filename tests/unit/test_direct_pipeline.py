@@ -20,12 +20,14 @@ from dcp_plus.storage.direct_extents import (
     COPIERS,
     MANY_EXTENTS,
     PIECE,
+    ExtentEOFError,
     _order,
     _plan,
     read_bounce_pool,
 )
 from dcp_plus.storage.direct_read import DIRECT_ALIGN, address
 from dcp_plus.storage.direct_store import DirectFileStore
+from dcp_plus.storage.ranged import RangeRequest
 
 MiB = 1 << 20
 SIZES = [0, 1, 4095, 4097, 3 * MiB + 1, 2 * PIECE + 4097, 5, PIECE, 12 * MiB + 7]
@@ -86,14 +88,16 @@ def test_streams_with_copiers_fill_every_buffer_bit_exact_with_its_checksum(
 
 
 def read_and_check(store: DirectFileStore, data: bytes, extents: list[tuple[int, int]],
-                   shift: int, streams: int) -> None:
-    """Read ``extents`` of ``f.dcpp`` into buffers ``shift`` bytes into a page, hashed, and
-    check every byte and checksum (empty extents: never done)."""
+                   shift: int, streams: int, pooled: bool = True) -> None:
+    """Read ``extents`` of ``f.dcpp`` into buffers ``shift`` bytes into a page, hashed (on
+    ``streams + COPIERS`` threads, or on this one without ``pooled``), and check every byte
+    and checksum (empty extents: never done)."""
     bufs = [buffer(n, shift) for _, n in extents]
     sums: dict[int, str | None] = {}
     with ThreadPoolExecutor(streams + COPIERS) as pool:
         store.read_direct([("f.dcpp", off, n) for off, n in extents], lambda k: bufs[k],
-                          sums.__setitem__, pool, streams=streams, hashed=True)
+                          sums.__setitem__, pool if pooled else None, streams=streams,
+                          hashed=True)
     for k, (off, n) in enumerate(extents):
         assert bytes(bufs[k]) == data[off : off + n], k
         if n:
@@ -101,36 +105,63 @@ def read_and_check(store: DirectFileStore, data: bytes, extents: list[tuple[int,
     assert set(sums) == {k for k, (_, n) in enumerate(extents) if n}
 
 
-def test_requests_of_many_extents_are_read_right_after_the_first_ones():
-    small = [("a", PIECE + 3 * MiB + i * DIRECT_ALIGN, 100) for i in range(MANY_EXTENTS)]
-    extents = [("a", 0, PIECE + 3 * MiB), *small, ("b", 0, 5 * PIECE)]
+def _request(name: str, at: int, extents: int) -> RangeRequest:
+    return RangeRequest(name, at, [(at + k, 0, 10) for k in range(extents)])
+
+
+@pytest.mark.parametrize("streams", [1, 2, 4])
+def test_requests_of_many_extents_after_the_first_ones_are_read_right_after_them(streams):
+    plain = [_request("a", i * 100, 1) for i in range(6)]
+    many = _request("a", 600, MANY_EXTENTS)  # exactly as many as it takes
+    fewer = _request("b", 0, MANY_EXTENTS - 1)
+    last = _request("b", 100, 1)
+    planned = [*plain, many, fewer, last]
+    assert _order(planned, streams) == [*plain[:streams], many, *plain[streams:], fewer, last]
+    first = [many, *plain]  # among the first ones already: stays where it is
+    assert _order(first, streams) == first
+
+
+def test_the_requests_of_a_read_start_in_file_order_then_the_many_extents():
+    small = [("a", 4 * PIECE + 3 * MiB + i * DIRECT_ALIGN, 100) for i in range(MANY_EXTENTS)]
+    extents = [("a", 0, 4 * PIECE + 3 * MiB), *small, ("b", 0, 5 * PIECE)]
     planned = _plan(extents)
-    many = [r for r in planned if len(r.pieces) > MANY_EXTENTS]
-    assert len(many) == 1 and planned.index(many[0]) == 1  # at the end of file a
-    for streams in (1, 4):
-        ordered = _order(planned, streams)
-        assert ordered.index(many[0]) == streams
-        assert [r for r in ordered if r is not many[0]] == [r for r in planned
-                                                           if r is not many[0]]
-    few = _plan(extents[:MANY_EXTENTS - 1])  # fewer: nothing moves
-    assert _order(few, 1) == few
+    assert [len(r.pieces) > MANY_EXTENTS for r in planned] == [False] * 4 + [True] + [False] * 5
+    assert _order(planned, 2) == [*planned[:2], planned[4], *planned[2:4], *planned[5:]]
 
 
-@pytest.mark.parametrize("streams", [1, 2])
+@pytest.mark.parametrize("pooled", [False, True])
 @pytest.mark.parametrize("shift", [0, 64])
-def test_a_file_ending_in_many_small_extents_reads_exact(tmp_path: Path, streams: int,
-                                                         shift: int):
-    # the big extent's last bytes share the request of the small ones, which is read
-    # before the big one's first bytes: hashed in order all the same
-    sizes = [PIECE + MiB + 4097] + [1 + (i * 997) % 5000 for i in range(2 * MANY_EXTENTS)]
-    sizes += [2 * PIECE + 5]
+def test_a_file_ending_in_many_small_extents_reads_exact(tmp_path: Path, shift: int,
+                                                         pooled: bool):
+    # a big extent's last bytes share the request of the small ones, which is read before
+    # the big one's middle: each extent is still hashed in order
+    sizes = [3 * PIECE + MiB + 4097] + [1 + (i * 997) % 5000 for i in range(2 * MANY_EXTENTS)]
     extents = layout(sizes)
     data = os.urandom(extents[-1][0] + extents[-1][1])
     (tmp_path / "f.dcpp").write_bytes(data)
     store = DirectFileStore(str(tmp_path), direct_io=True)
     if not store.uses_direct("f.dcpp"):
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
-    read_and_check(store, data, extents, shift, streams)
+    planned = _plan([("f.dcpp", off, n) for off, n in extents])
+    assert len(planned) == 4 and _order(planned, 2)[2] is planned[3]  # before planned[2]
+    read_and_check(store, data, extents, shift, streams=2, pooled=pooled)
+
+
+def test_a_file_cut_short_names_the_first_extent_it_cuts_whatever_the_order(tmp_path: Path):
+    sizes = [PIECE, PIECE, PIECE] + [100] * MANY_EXTENTS
+    extents = layout(sizes)
+    data = os.urandom(extents[-1][0] + extents[-1][1])
+    cut = PIECE + 12345  # inside the second extent; the many small ones are read second
+    (tmp_path / "f.dcpp").write_bytes(data[:cut])
+    store = DirectFileStore(str(tmp_path), direct_io=True)
+    if not store.uses_direct("f.dcpp"):
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert _order(_plan([("f.dcpp", o, n) for o, n in extents]), 1)[1].pieces[-1][0] > 2
+    bufs = [buffer(n, 0) for _, n in extents]
+    with pytest.raises(ExtentEOFError) as info:
+        store.read_direct([("f.dcpp", off, n) for off, n in extents], lambda k: bufs[k],
+                          lambda k, s: None)
+    assert info.value.extent == 1 and f"at byte {cut}" in str(info.value)
 
 
 def test_the_bounce_buffers_outlive_a_store(data_file):

@@ -166,8 +166,8 @@ def map_tensors(sd: Any, fn: Any) -> Any:
         return fn(sd)
     if isinstance(sd, dict):
         return {k: map_tensors(v, fn) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [map_tensors(v, fn) for v in sd]
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(map_tensors(v, fn) for v in sd)
     return sd
 
 
