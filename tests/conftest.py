@@ -39,6 +39,17 @@ DTYPES = [
 ]
 
 
+@pytest.fixture
+def direct_dir(tmp_path: Path) -> Path:
+    """``tmp_path``, where it takes O_DIRECT (the test is skipped where it does not)."""
+    from dcp_plus.cli.bench.limits import direct_refusal
+    from dcp_plus.cli.bench.machine import fs_type
+
+    if direct_refusal(str(tmp_path)) is not None:
+        pytest.skip(f"{tmp_path} [{fs_type(str(tmp_path))}] refuses O_DIRECT")
+    return tmp_path
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # single-process dcp.save/load(no_dist=True) warns on every call
     config.addinivalue_line(

@@ -10,7 +10,6 @@ committed sibling's record reads them.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
@@ -20,10 +19,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from dcp_plus.errors import CheckpointNotFoundError
 from dcp_plus.format.extent_set import extent_files
 from dcp_plus.format.layout import is_save_file
-from dcp_plus.format.parts import sibling_problem, spans
-from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, record_sealed
+from dcp_plus.format.parts import spans
+from dcp_plus.format.record import RECORD_NAME, Extent, decode_record, record_bases
 from dcp_plus.manager.storage import backend_for
-from dcp_plus.readers.base import PICKLE_PROTOCOL_BYTE, ExtentReader
+from dcp_plus.readers.base import ExtentReader
 from dcp_plus.readers.locate import reader_for
 from dcp_plus.storage.location import sibling_path
 
@@ -71,10 +70,6 @@ def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] |
     name = where.rstrip("/").rpartition("/")[2]
     parent = sibling_path(reader.path, "").partition("?")[0].rstrip("/") or "."
     backend, location = backend_for(parent + sep + query, storage_options)
-    if sibling_problem(name) is not None:
-        return set()  # no record can reference a folder by a name a reference may not hold
-    # such names are JSON strings of their own characters, whole in every reference
-    needle = json.dumps(name).encode()
     out: set[str] = set()
     for other in backend.listdir(location):
         if other == name or other.startswith("."):
@@ -86,11 +81,9 @@ def _read_by_siblings(reader: ExtentReader, storage_options: Mapping[str, Any] |
             continue  # not a checkpoint, or an uncommitted one: it reads nothing
         finally:
             sibling.close()
-        if data[:1] == bytes([PICKLE_PROTOCOL_BYTE]):
-            continue  # a stock DCP checkpoint references no other
         source = sibling._location(RECORD_NAME)
-        if needle not in data and b"\\u" not in data and record_sealed(data, source):
-            continue  # an intact record that names no file here (the common case): not decoded
+        if name not in record_bases(data, source):
+            continue  # it references no file here (the common case): not decoded
         record = decode_record(data, source)
         out |= files_read_in(record.storage_data.values(), name)
     return out

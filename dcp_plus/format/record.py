@@ -174,13 +174,8 @@ def encode_extents(extents: Mapping[MetadataIndex, Extent]) -> list[dict[str, An
     return rows
 
 
-def record_sealed(data: bytes, source: str) -> bool:
-    """Whether a record's bytes carry a record checksum (one that matches: a damaged record
-    raises, naming ``source``), checked without decoding the record.
-
-    Raises:
-        CorruptCheckpointError: the record does not match its checksum.
-    """
+def _unseal(data: bytes, source: str) -> bool:
+    """Check the record checksum if the record has one; whether it has."""
     m = _TRAILER.search(data)
     if m is None:
         return False
@@ -209,7 +204,7 @@ def _decode_record(data: bytes, source: str) -> Metadata:
         raise CheckpointFormatError(f"{source}: {len(data)} bytes, larger than any commit "
                                     f"record ({MAX_RECORD_BYTES})")
     p = FieldParser(source)
-    sealed = record_sealed(data, source)
+    sealed = _unseal(data, source)
     root = loads_strict(data, source, "dcp_plus commit record")
     if not isinstance(root, dict):
         raise p.fail("<root>", "expected a JSON object")
@@ -254,7 +249,7 @@ def record_bases(data: bytes, source: str) -> list[str]:
         return []  # a stock DCP pickle references nothing
     if len(data) > MAX_RECORD_BYTES:
         raise CheckpointFormatError(f"{source}: {len(data)} bytes, larger than any record")
-    record_sealed(data, source)
+    _unseal(data, source)
     root = loads_strict(data, source, "dcp_plus commit record")
     p = FieldParser(source)
     if not isinstance(root, dict) or p.get(root, "version", int, "") != INCREMENTAL_VERSION:

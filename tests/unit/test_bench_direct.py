@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from pathlib import Path
 
 import pytest
 
@@ -24,20 +23,13 @@ from dcp_plus.cli.bench.limits import (
     read_plan,
     ring_buffers,
 )
-from dcp_plus.cli.bench.machine import evict_files, fs_type
+from dcp_plus.cli.bench.machine import evict_files
 from dcp_plus.cli.bench.measure import _Storage, measure_limits
 from dcp_plus.cli.bench.pagecache import cached_now, residency, resident_bytes
 from dcp_plus.cli.bench.report import DIRECT_ROWS, build, render
 from tests.conftest import mounted
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def direct_dir(tmp_path: Path) -> Path:
-    if direct_refusal(str(tmp_path)) is not None:
-        pytest.skip(f"{tmp_path} [{fs_type(str(tmp_path))}] refuses O_DIRECT")
-    return tmp_path
 
 
 @pytest.fixture

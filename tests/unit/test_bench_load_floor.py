@@ -12,18 +12,9 @@ import torch
 
 from benchmarks import load_floor
 from benchmarks.load_floor import PAGE, REQUEST, TORCH_OFFSET, aligned_copy, floor_read
-from dcp_plus.cli.bench.limits import direct_refusal
-from dcp_plus.cli.bench.machine import fs_type
 from dcp_plus.cli.bench.models import iter_tensors
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def direct_dir(tmp_path: Path) -> Path:
-    if direct_refusal(str(tmp_path)) is not None:
-        pytest.skip(f"{tmp_path} [{fs_type(str(tmp_path))}] refuses O_DIRECT")
-    return tmp_path
 
 
 @pytest.fixture

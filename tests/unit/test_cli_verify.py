@@ -76,10 +76,10 @@ def test_files_no_record_names_are_listed_as_stray_not_as_damage(ckpt: Path) -> 
 
 
 @pytest.mark.parametrize(("record", "decoded"), [
-    (seal(b'{"damaged":"refers to nothing here"}'), False),  # intact, names none: skipped
-    (seal(b'{"damaged":"ckpt"}'), True),  # may reference it: must be read
-    (b'{"damaged":"refers to nothing here"}', True),  # no checksum to vouch for it
-    (seal(b'{"damaged":"refers to nothing here"}').replace(b"nothing", b"n0thing"), True),
+    (seal(b'{"version":5,"bases":["elsewhere"],"damaged":1}'), False),  # references others
+    (seal(b'{"version":5,"bases":["ckpt"],"damaged":1}'), True),  # references it: decoded
+    (b'{"damaged":"refers to nothing here"}', True),  # its references cannot be told
+    (seal(b'{"version":5,"bases":[],"damaged":1}').replace(b"[]", b'["ckpt"]'), True),  # edited
 ])
 def test_only_sibling_records_that_may_name_the_checkpoint_are_decoded(
         ckpt: Path, record: bytes, decoded: bool) -> None:
