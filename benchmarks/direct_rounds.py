@@ -16,6 +16,13 @@ read limit, torch memory   the same reads into one CPU tensor of the checkpoint'
                 under ``THP_MEM_ALLOC_ENABLE=1``), faulted in before: what the device gives
                 into memory of the state's kind, scattered over as much of it (skipped when
                 ``MemAvailable`` cannot hold another copy of the state)
+read limit, state memory   the same reads into the state's own tensors (their 4 KiB-aligned
+                interiors, in state order; a scratch buffer takes the few MiB of small
+                tensors and page edges): what the device gives into the very pages the load
+                fills, however physically scattered (``benchmarks.state_memory``). It
+                overwrites the state, so it always runs right before the verified load,
+                which puts the state back. The mean length of the state's physical page
+                runs (``/proc/self/pagemap``, as root) is printed at the start and the end
 ... + copy      the same timed inside a ``CopyBeside`` of the state's byte count: the floor for
                 saving from and loading into memory O_DIRECT cannot address (torch's CPU
                 tensors are 64-byte aligned, O_DIRECT wants 512 here), which must pass once
@@ -47,7 +54,8 @@ median over rounds is the best, each round's case over that count's transfer in 
 
 Every case starts from a dropped page cache (``drop_caches``, or evicting the benchmark's files
 when not root) after ``--settle`` seconds. Within a round the write limits and the saves, and
-the read limits and the load, swap order every other round, as do the saves among themselves.
+the read limits and the load (the state-memory limit always just before it), swap order every
+other round, as do the saves among themselves.
 The slab path is judged against the write limit, the bounce path against both write limits,
 the verified load against both read limits. Prints a table (median, min and max over rounds)
 and, with ``--json``, writes every sample.
@@ -72,10 +80,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 from benchmarks.save_load import SlabState, data_files
+from benchmarks.state_memory import contiguity, interiors, state_scatter
 from dcp_plus.cli.bench.copy_beside import CopyBeside, beside_buffers
 from dcp_plus.cli.bench.limits import STREAMS, direct_read, pwrite_files, ring_buffers
 from dcp_plus.cli.bench.machine import drop_caches, load1, machine
 from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors, state_dict_nbytes
+from dcp_plus.format.layout import align_up
 from dcp_plus.format.values import byte_view
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.readers import LocalReader
@@ -87,11 +97,12 @@ from dcp_plus.writers.pool import shared_pool, shutdown_pool
 SAVES = ("slab", "slab, new workers", "bounce", "bounce, DCP's planner")
 CASES = (*SAVES, "verified load")
 LIMITS = ("write limit", "write limit + copy", "read limit", "read limit + copy",
-          "read limit, torch memory")
+          "read limit, torch memory", "read limit, state memory")
 JUDGED = {"slab": ("write limit",), "slab, new workers": ("write limit",),
           "bounce": ("write limit", "write limit + copy"),
           "bounce, DCP's planner": ("write limit", "write limit + copy"),
-          "verified load": ("read limit", "read limit + copy", "read limit, torch memory")}
+          "verified load": ("read limit", "read limit + copy", "read limit, torch memory",
+                            "read limit, state memory")}
 """Each case's limits: the slab path sends the slab's own pages, the others copy."""
 
 
@@ -129,6 +140,11 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self._save_slab(True)
         self._save_bounce()  # its planner's first save
         self.torch_memory = _torch_memory(self.nbytes)  # last: with the pools' memory taken
+        files = data_files(os.path.join(self.root, "bounce"))
+        tensors = [t for _, t in iter_tensors(self.sd)]
+        self.state_memory = state_scatter(tensors, sum(align_up(os.path.getsize(f))
+                                                       for f in files))
+        self.contiguity = contiguity(interiors(tensors))
 
     def _timed(self, fn: Callable[[], object]) -> float:
         """``fn``'s seconds, from a dropped page cache after ``--settle`` seconds."""
@@ -213,6 +229,11 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         return self._best_of_streams("read limit, torch memory",
                                      lambda k: direct_read(files, k, into), False)
 
+    def _read_limit_state(self) -> float:
+        files = data_files(os.path.join(self.root, "bounce"))
+        return self._best_of_streams("read limit, state memory",
+                                     lambda k: direct_read(files, k, self.state_memory), False)
+
     def run_round(self, i: int) -> dict[str, float]:
         """Every case once (the order flipped in odd rounds); their seconds by name."""
         flip = i % 2 == 1
@@ -227,13 +248,17 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
             "read limit": lambda: self._read_limit(False),
             "read limit + copy": lambda: self._read_limit(True),
             "read limit, torch memory": self._read_limit_torch,
+            "read limit, state memory": self._read_limit_state,
             "verified load": self._load,
         }
         limits, saves = ["write limit", "write limit + copy"], list(SAVES)
-        reads = ["read limit", "read limit + copy", "verified load"]
+        reads = ["read limit", "read limit + copy"]
         if self.torch_memory is not None:
-            reads.insert(2, "read limit, torch memory")
+            reads.append("read limit, torch memory")
         reads = _in_order(reads, flip)
+        # the state-memory limit overwrites the state: the load right after puts it back
+        loading = ["read limit, state memory", "verified load"]
+        reads = [*loading, *reads] if flip else [*reads, *loading]
         row = {name: cases[name]() for name in [*_in_order(limits + saves, flip), *reads]}
         for name, s in row.items():
             self.samples[name].append(s)
@@ -305,6 +330,10 @@ def _aligned_bytes(t: torch.Tensor) -> memoryview:
     return byte_view(t)[skip:]
 
 
+def _pages(mean: float | None) -> str:
+    return "(unknown: page frames hidden)" if mean is None else f"{mean:.1f} pages"
+
+
 def _report(r: Rounds) -> None:
     print("\n| case | median s (min-max) |\n|---|---|")
     for name in (*LIMITS, *CASES):
@@ -353,12 +382,15 @@ def main(argv: list[str] | None = None) -> None:
               f"2 MiB pages: {r.state_huge / max(r.nbytes, 1):.0%} (THP_MEM_ALLOC_ENABLE="
               f"{os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, THP {_thp_setting()}); "
               f"read limit into torch memory: "
-              f"{'measured' if r.torch_memory is not None else 'skipped (memory)'}",
+              f"{'measured' if r.torch_memory is not None else 'skipped (memory)'}; "
+              f"the state's pages in physical runs of {_pages(r.contiguity)} on average",
               flush=True)
         for i in range(args.rounds):
             row = r.run_round(i)
             print(f"round {i + 1} (load avg {load1():.2f}, cache: {r.drop_method}): "
                   + ", ".join(f"{k} {v:.3f} s" for k, v in row.items()), flush=True)
+    end = contiguity(interiors([t for _, t in iter_tensors(r.sd)]))
+    print(f"\nthe state's pages at the end: physical runs of {_pages(end)} on average")
     _report(r)
     if args.json:
         with open(args.json, "w") as f:
@@ -367,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
                        "state_huge_bytes": r.state_huge,
                        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
                        "thp": _thp_setting(), "torch_memory_measured": r.torch_memory is not None,
+                       "state_contiguity_pages": [r.contiguity, end],
                        "cache_drop": r.drop_method, "samples": r.samples,
                        "by_streams": r.by_streams, "ratios": r.ratios(),
                        "ratios_by_streams": r.ratios_by_streams()}, f, indent=1)

@@ -21,8 +21,10 @@ Shared by ``benchmarks/save_load.py``, ``benchmarks/direct_rounds.py``,
 
 from __future__ import annotations
 
+import bisect
 import errno
 import functools
+import itertools
 import math
 import mmap
 import os
@@ -37,12 +39,14 @@ from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
 from dcp_plus.storage.buffers import aligned_buffer as page_aligned
 from dcp_plus.storage.buffers import transfer_buffer
+from dcp_plus.storage.direct_read import address
 from dcp_plus.storage.fanout import in_streams
 
 CHUNK = 64 << 20
 BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 STREAMS = (1, 2, 4)
 """The stream counts of the O_DIRECT limits; the best of them is the limit."""
+IOV_MAX = 1024  # the most views one preadv takes (Linux UIO_MAXIOV)
 
 
 class MemcpyLimit:
@@ -149,19 +153,62 @@ def read_plan(sizes: list[int], streams: int,
     return plan
 
 
-def _piece(buf: memoryview | None, rings: list[memoryview] | None, stream: int, at: int,
-           n: int) -> memoryview:
-    """``n`` bytes at ``at`` of ``buf``, or (``rings``) the first ``n`` of the stream's ring."""
+class Scatter:
+    """Page-aligned ``regions`` (4 KiB-aligned starts and lengths) read as one buffer: byte
+    ``at`` of it is byte ``at`` of their concatenation. A limit read into the memory of a
+    state's own tensors (their 4 KiB-aligned interiors), whose pages the kernel placed as it
+    placed them."""
+
+    def __init__(self, regions: list[memoryview]) -> None:
+        bad = [i for i, r in enumerate(regions)
+               if len(r) % BLOCK or address(r) % BLOCK]
+        if bad:
+            raise ValueError(f"Scatter: region {bad[0]} is not 4 KiB-aligned")
+        self.regions = regions
+        self.starts = list(itertools.accumulate((len(r) for r in regions), initial=0))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def views(self, at: int, n: int) -> list[memoryview]:
+        """The slices of the regions that hold bytes ``[at, at + n)``."""
+        out = []
+        i = bisect.bisect_right(self.starts, at) - 1
+        while n > 0:
+            lo = at - self.starts[i]
+            m = min(n, len(self.regions[i]) - lo)
+            out.append(self.regions[i][lo:lo + m])
+            at, n, i = at + m, n - m, i + 1
+        return out
+
+
+def _pieces(buf: memoryview | Scatter | None, rings: list[memoryview] | None, stream: int,
+            at: int, n: int) -> list[memoryview]:
+    """Where ``n`` bytes at ``at`` of ``buf`` are, or (``rings``) the first ``n`` of the
+    stream's ring."""
     if rings is not None:
-        return rings[stream][:n]
+        return [rings[stream][:n]]
     assert buf is not None, "a buffer or rings"
-    return buf[at:at + n]
+    return buf.views(at, n) if isinstance(buf, Scatter) else [buf[at:at + n]]
 
 
-def direct_read(files: list[str], streams: int, into: memoryview | None,
+def _preadv(fd: int, views: list[memoryview], offset: int) -> int:
+    """``os.preadv`` of any number of views (IOV_MAX at a time); stops at the end of file."""
+    got = 0
+    for i in range(0, len(views), IOV_MAX):
+        batch = views[i:i + IOV_MAX]
+        n = os.preadv(fd, batch, offset + got)
+        got += n
+        if n < sum(len(v) for v in batch):
+            break
+    return got
+
+
+def direct_read(files: list[str], streams: int, into: memoryview | Scatter | None,
                 rings: list[memoryview] | None = None) -> int:
     """Read ``files`` with O_DIRECT by ``streams`` threads (:func:`read_plan`) into ``into``
-    (page-aligned, at least the files' 4 KiB-rounded sizes: an :func:`aligned_buffer`), or,
+    (page-aligned, at least the files' 4 KiB-rounded sizes: an :func:`aligned_buffer` or a
+    :class:`Scatter`), or,
     with ``rings`` (:func:`ring_buffers`, one per stream), every request of stream ``s``
     into ``rings[s]`` over the last. Returns the bytes read; raises if a file came back
     shorter than its size."""
@@ -180,7 +227,7 @@ def direct_read(files: list[str], streams: int, into: memoryview | None,
 
     def one(s: int) -> None:
         for k, off, at, n in plan[s]:
-            got[s][k] += os.preadv(fds[k], [_piece(into, rings, s, at, n)], off)
+            got[s][k] += _preadv(fds[k], _pieces(into, rings, s, at, n), off)
 
     try:
         for f in files:
@@ -224,7 +271,7 @@ def pwrite_files(buf: memoryview | None, nbytes: int, d: str, streams: int = 1,
                 done = start
                 while done < end:
                     n = min(CHUNK, end - done)
-                    done += os.pwrite(f, _piece(buf, rings, i, done, n), done - lo)
+                    done += os.pwrite(f, _pieces(buf, rings, i, done, n)[0], done - lo)
             os.fsync(fd)
         finally:
             if dfd != fd:
