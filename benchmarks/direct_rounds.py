@@ -23,6 +23,9 @@ read limit, state memory   the same reads into the state's own tensors (their 4 
                 overwrites the state, so it always runs right before the verified load,
                 which puts the state back. The mean length of the state's physical page
                 runs (``/proc/self/pagemap``, as root) is printed at the start and the end
+write limit, slab memory   the same writes from the slab's own shared memory (4 KiB pages
+                on ``/dev/shm`` here, 2 MiB ones on a ``huge=always`` ``DCPP_SHM_DIR``):
+                what the device takes from the pages the slab path sends
 ... + copy      the same timed inside a ``CopyBeside`` of the state's byte count: the floor for
                 saving from and loading into memory O_DIRECT cannot address (torch's CPU
                 tensors are 64-byte aligned, O_DIRECT wants 512 here), which must pass once
@@ -56,8 +59,9 @@ Every case starts from a dropped page cache (``drop_caches``, or evicting the be
 when not root) after ``--settle`` seconds. Within a round the write limits and the saves, and
 the read limits and the load (the state-memory limit always just before it), swap order every
 other round, as do the saves among themselves.
-The slab path is judged against the write limit, the bounce path against both write limits,
-the verified load against both read limits. Prints a table (median, min and max over rounds)
+The slab path is judged against the write limit and the one from its slab's memory, the
+bounce path against the write limit with and without a copy beside it, the verified load
+against every read limit. Prints a table (median, min and max over rounds)
 and, with ``--json``, writes every sample.
 """
 
@@ -96,9 +100,10 @@ from dcp_plus.writers.pool import shared_pool, shutdown_pool
 
 SAVES = ("slab", "slab, new workers", "bounce", "bounce, DCP's planner")
 CASES = (*SAVES, "verified load")
-LIMITS = ("write limit", "write limit + copy", "read limit", "read limit + copy",
-          "read limit, torch memory", "read limit, state memory")
-JUDGED = {"slab": ("write limit",), "slab, new workers": ("write limit",),
+LIMITS = ("write limit", "write limit + copy", "write limit, slab memory", "read limit",
+          "read limit + copy", "read limit, torch memory", "read limit, state memory")
+JUDGED = {"slab": ("write limit", "write limit, slab memory"),
+          "slab, new workers": ("write limit", "write limit, slab memory"),
           "bounce": ("write limit", "write limit + copy"),
           "bounce, DCP's planner": ("write limit", "write limit + copy"),
           "verified load": ("read limit", "read limit + copy", "read limit, torch memory",
@@ -206,15 +211,16 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
             return s
         return min(one(k) for k in STREAMS)
 
-    def _write_limit(self, copy: bool) -> float:
+    def _write_limit(self, name: str, copy: bool = False,
+                     source: memoryview | None = None) -> float:
+        """The write limit ``name``: from the huge-page rings, or from ``source``."""
         dirs = {k: self._dir(f"limit{k}") for k in STREAMS}
         for d in dirs.values():
             os.makedirs(d)
-        name = "write limit + copy" if copy else "write limit"
         return self._best_of_streams(
-            name, lambda k: pwrite_files(None, self.nbytes, dirs[k], k, True, self.rings[:k]),
-            copy,
-            after=lambda k: shutil.rmtree(dirs[k], ignore_errors=True))
+            name, lambda k: pwrite_files(source, self.nbytes, dirs[k], k, True,
+                                         None if source is not None else self.rings[:k]),
+            copy, after=lambda k: shutil.rmtree(dirs[k], ignore_errors=True))
 
     def _read_limit(self, copy: bool) -> float:
         files = data_files(os.path.join(self.root, "bounce"))
@@ -238,8 +244,10 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         """Every case once (the order flipped in odd rounds); their seconds by name."""
         flip = i % 2 == 1
         cases: dict[str, Callable[[], float]] = {
-            "write limit": lambda: self._write_limit(False),
-            "write limit + copy": lambda: self._write_limit(True),
+            "write limit": lambda: self._write_limit("write limit"),
+            "write limit + copy": lambda: self._write_limit("write limit + copy", copy=True),
+            "write limit, slab memory": lambda: self._write_limit(
+                "write limit, slab memory", source=self.slab.slab.buffer),
             "slab": lambda: self._save_slab(False),
             "slab, new workers": lambda: self._save_slab(True),
             "bounce": self._save_bounce,
@@ -251,7 +259,8 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
             "read limit, state memory": self._read_limit_state,
             "verified load": self._load,
         }
-        limits, saves = ["write limit", "write limit + copy"], list(SAVES)
+        limits = ["write limit", "write limit + copy", "write limit, slab memory"]
+        saves = list(SAVES)
         reads = ["read limit", "read limit + copy"]
         if self.torch_memory is not None:
             reads.append("read limit, torch memory")
