@@ -5,8 +5,8 @@
 dcp_plus files keep every extent 4 KiB-aligned (DESIGN §4), and ``O_DIRECT`` lands a 4 KiB
 file block only at a 4 KiB-aligned address; torch's CPU tensors start 64 bytes (or any
 multiple of 64) into a page. So a load reads each tensor's body at the tensor's first 4 KiB
-boundary and moves it down into place, and hashes it on the way: one more pass over the state's memory
-than the device's own transfer. Each round, in one process, from a dropped page cache
+boundary and moves it down into place, and hashes it on the way: one more pass over the
+state's memory than the device's own transfer. Each round, in one process, from a dropped page cache
 (order reversed every other round):
 
 read limit        the checkpoint's files read with O_DIRECT by 4 threads into four reused
@@ -15,7 +15,8 @@ into torch memory the same 16 MiB requests, 4 in flight (6 threads), into one to
                   the state's size, at 4 KiB-aligned places: the device into memory of the
                   state's kind
 + move + hash     the same, each request landing at the 4 KiB boundary after a place that
-                  starts 64 bytes into a page (4,032 bytes past it) and moved down, a MiB at a time, each MiB hashed after its move (what
+                  starts 64 bytes into a page (4,032 bytes past it) and moved down, a MiB at
+                  a time, each MiB hashed after its move (what
                   ``LocalReader`` does per tensor): the floor of any verified O_DIRECT load
                   into unaligned memory of 4 KiB-aligned extents
 verified load     ``dcp.load`` of the state (zeroed first) with ``LocalReader`` and
@@ -117,7 +118,7 @@ def floor_read(reqs: list[tuple[str, int, int]], memory: torch.Tensor, move: boo
                 land = base + i * slot + (PAGE if move else 0)
                 with reading:
                     got = os.preadv(fds[f], [mem[land - start:land - start + n]], off)
-                if got < min(n, os.fstat(fds[f]).st_size - off):
+                if got < n and got < os.fstat(fds[f]).st_size - off:
                     raise EOFError(f"{f}: {got} bytes at {off}, short of the file")
                 if move:
                     dst, hasher = base + i * slot + TORCH_OFFSET, new_hasher()

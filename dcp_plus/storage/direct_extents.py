@@ -287,10 +287,9 @@ def _order(requests: list[RangeRequest], streams: int) -> list[RangeRequest]:
     writers put them at the end of a file) takes ~10 ms after its read, all after the last
     read if it came last. Early, that work overlaps the reads after it; not first, so that
     opening its extents' destinations does not hold back the first reads."""
-    head, tail = requests[:streams], requests[streams:]
-    many = [len([k for k, _, _ in r.pieces if k >= 0]) >= MANY_EXTENTS for r in tail]
-    return (head + [r for r, m in zip(tail, many, strict=True) if m]
-            + [r for r, m in zip(tail, many, strict=True) if not m])
+    def few(r: RangeRequest) -> bool:
+        return sum(k >= 0 for k, _, _ in r.pieces) < MANY_EXTENTS
+    return requests[:streams] + sorted(requests[streams:], key=few)  # stable: order kept
 
 
 def _starts(req: RangeRequest) -> list[int]:

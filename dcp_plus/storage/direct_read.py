@@ -64,14 +64,19 @@ def copy_bytes(dst: int, src: int, n: int) -> None:
     ctypes.memmove(dst, src, n)
 
 
+IOV_MAX = 1024
+"""The most buffers one ``preadv`` takes (Linux ``UIO_MAXIOV``)."""
+
+
 def preadv_upto(fd: int, views: list[memoryview], offset: int) -> int:
-    """Fill ``views`` in turn from ``offset`` as far as the file goes; the bytes read (a
-    short O_DIRECT read of aligned views only happens at the end of the file)."""
+    """Fill ``views`` in turn from ``offset`` as far as the file goes, :data:`IOV_MAX` of
+    them per call; the bytes read (a short O_DIRECT read of aligned views only happens at
+    the end of the file)."""
     views = [v for v in views if len(v)]
     total = sum(len(v) for v in views)
     done = 0
     while views:
-        n = os.preadv(fd, views, offset + done)
+        n = os.preadv(fd, views if len(views) <= IOV_MAX else views[:IOV_MAX], offset + done)
         if n == 0:
             break
         done += n

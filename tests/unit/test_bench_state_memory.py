@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from benchmarks.state_memory import MIN_REGION, contiguity, interiors, state_scatter
-from dcp_plus.cli.bench.limits import IOV_MAX, Scatter, aligned_buffer, direct_read
-from dcp_plus.storage.direct_read import address
+from dcp_plus.cli.bench.limits import Scatter, aligned_buffer, direct_read
+from dcp_plus.storage.direct_read import IOV_MAX, address
 
 PAGE = 4096
 

@@ -39,14 +39,13 @@ from dcp_plus.format.layout import align_up
 from dcp_plus.memory.slabs import Slab
 from dcp_plus.storage.buffers import aligned_buffer as page_aligned
 from dcp_plus.storage.buffers import transfer_buffer
-from dcp_plus.storage.direct_read import address
+from dcp_plus.storage.direct_read import address, preadv_upto
 from dcp_plus.storage.fanout import in_streams
 
 CHUNK = 64 << 20
 BLOCK = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses
 STREAMS = (1, 2, 4)
 """The stream counts of the O_DIRECT limits; the best of them is the limit."""
-IOV_MAX = 1024  # the most views one preadv takes (Linux UIO_MAXIOV)
 
 
 class MemcpyLimit:
@@ -192,18 +191,6 @@ def _pieces(buf: memoryview | Scatter | None, rings: list[memoryview] | None, st
     return buf.views(at, n) if isinstance(buf, Scatter) else [buf[at:at + n]]
 
 
-def _preadv(fd: int, views: list[memoryview], offset: int) -> int:
-    """``os.preadv`` of any number of views (IOV_MAX at a time); stops at the end of file."""
-    got = 0
-    for i in range(0, len(views), IOV_MAX):
-        batch = views[i:i + IOV_MAX]
-        n = os.preadv(fd, batch, offset + got)
-        got += n
-        if n < sum(len(v) for v in batch):
-            break
-    return got
-
-
 def direct_read(files: list[str], streams: int, into: memoryview | Scatter | None,
                 rings: list[memoryview] | None = None) -> int:
     """Read ``files`` with O_DIRECT by ``streams`` threads (:func:`read_plan`) into ``into``
@@ -227,7 +214,7 @@ def direct_read(files: list[str], streams: int, into: memoryview | Scatter | Non
 
     def one(s: int) -> None:
         for k, off, at, n in plan[s]:
-            got[s][k] += _preadv(fds[k], _pieces(into, rings, s, at, n), off)
+            got[s][k] += preadv_upto(fds[k], _pieces(into, rings, s, at, n), off)
 
     try:
         for f in files:
