@@ -21,7 +21,11 @@ save  dd            buffered: ``dd if=/dev/zero of=F bs=64M conv=fsync`` of the 
                     memory segments, so from 4 KiB pages requests top out near 1 MiB, from
                     2 MiB pages at the device's 4 MiB
       dcp_plus      ``dcp.save(sd, storage_writer=LocalWriter(d), no_dist=True)`` (threads=2,
-                    and threads=4), in-process threads writing straight from tensor memory
+                    and threads=4), in-process threads writing from tensor memory through
+                    the process's aligned bounce buffers, kept from the save before (an
+                    untimed save first where there was none: a process that saved will save
+                    again); and the process's first save (``first``: the bounce pool
+                    released just before, its 320 MiB mapped afresh as the save fills it)
       dcp_plus slab the same state copied once into a registered ``dcp_plus.memory.slabs.Slab``
                     (4 KiB-aligned views): the worker-process path (workers=2); the copy
                     into the slab is timed separately (``stage copy``). Two cases: workers
@@ -39,7 +43,11 @@ load  dd            buffered: ``dd if=F of=/dev/null bs=64M`` over the dcp_plus 
                     streams (disjoint 4 KiB-aligned 64 MiB requests) into a page-aligned,
                     pre-faulted buffer (4 KiB pages), and by 1, 2 and 4 streams each reading
                     every request into its own huge-page ring; the best of the six is the
-                    O_DIRECT read limit
+                    O_DIRECT read limit. And the dcp_plus files read into the state's own
+                    tensors (their 4 KiB-aligned interiors; ``benchmarks.state_memory``), best
+                    of 1/2/4 streams: what the device gives into the pages a load fills; not a
+                    limit of the six (it overwrites the state, so the dcp_plus load, which puts
+                    it back, always comes right after it)
       dcp_plus      ``dcp.load(sd, storage_reader=LocalReader(d), planner=SafeLoadPlanner(),
                     no_dist=True)``, verify on (threads 4 and 2) and off
       stock         ``FileSystemReader(d)`` with the default load planner
@@ -102,6 +110,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from tqdm import tqdm
 
 from benchmarks import save_load_tc as tc
+from benchmarks.state_memory import state_scatter
 from dcp_plus.cli.bench.limits import (
     STREAMS,
     aligned_buffer,
@@ -133,6 +142,7 @@ from dcp_plus.memory.slabs import Slab, registry
 from dcp_plus.planners import SafeLoadPlanner
 from dcp_plus.readers.local import LocalReader
 from dcp_plus.shm import SHM_DIR
+from dcp_plus.storage.direct import bounce_pool
 from dcp_plus.storage.fileio import fsync_dir
 from dcp_plus.writers.local import LocalWriter
 from dcp_plus.writers.pool import shared_pool, shutdown_pool
@@ -151,6 +161,7 @@ W_HUGE = {k: f"save: O_DIRECT pwrite {k} stream{'s' if k > 1 else ''} + fsync, f
 W_PROTO = "save: prototype O_DIRECT via bounce buffers (threads=2)"
 W_PLUS = "save: dcp_plus LocalWriter (threads=2)"
 W_PLUS4 = "save: dcp_plus LocalWriter (threads=4)"
+W_PLUS_FIRST = "save: dcp_plus LocalWriter (threads=2), first (bounce buffers mapped afresh)"
 W_SLAB = "save: dcp_plus LocalWriter, slab (workers=2)"
 W_SLAB_NEW = "save: dcp_plus LocalWriter, slab, workers new to it (workers=2)"
 W_STOCK = "save: stock FileSystemWriter (thread_count=1)"
@@ -168,9 +179,11 @@ R_PLUS2 = "load: dcp_plus LocalReader (verify, threads=2)"
 R_NOVERIFY = "load: dcp_plus LocalReader (no verify, threads=4)"
 R_SLAB = "load: dcp_plus LocalReader (verify), slab-written ckpt"
 R_STOCK = "load: stock FileSystemReader"
-ORDER = [W_DD, W_PWRITE, W_PWRITE2, *W_DIRECT.values(), *W_HUGE.values(), W_PLUS, W_PLUS4, W_PROTO, STAGE_FIRST,
-         STAGE, W_SLAB, W_SLAB_NEW, W_STOCK, W_STOCK2, W_STOCK4, *tc.SAVES, R_DD, R_DDPAR,
-         *R_DIRECT.values(), *R_HUGE.values(), R_PLUS, R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK, *tc.LOADS]
+R_STATE = ("load: O_DIRECT cold read into the state's own memory, best of "
+           f"{'/'.join(map(str, STREAMS))} streams")
+ORDER = [W_DD, W_PWRITE, W_PWRITE2, *W_DIRECT.values(), *W_HUGE.values(), W_PLUS, W_PLUS_FIRST,
+         W_PLUS4, W_PROTO, STAGE_FIRST, STAGE, W_SLAB, W_SLAB_NEW, W_STOCK, W_STOCK2, W_STOCK4, *tc.SAVES, R_DD, R_DDPAR,
+         *R_DIRECT.values(), *R_HUGE.values(), R_STATE, R_PLUS, R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK, *tc.LOADS]
 
 
 # ----------------------------------------------------------------------------- timing helpers
@@ -262,6 +275,7 @@ class Bench:
         self.samples: dict[str, list[Sample]] = defaultdict(list)
         self.drop_method = "?"
         self.bounce: list[mmap.mmap] = []
+        self.bounce_warm = False  # the writer's bounce pool filled by a save before
         self.bar: tqdm | None = None
         self.read_buf: mmap.mmap | None = None
         self.refused: str | None = None  # why the file system refuses O_DIRECT
@@ -394,6 +408,17 @@ class Bench:
         finally:
             buf.release()
 
+    def load_direct_state(self, files: list[str]) -> Sample:
+        """The best of 1/2/4 streams reading ``files`` with O_DIRECT into the state's own
+        tensors (their 4 KiB-aligned interiors, a scratch buffer for the rest): what the
+        device gives into the pages a load fills. It overwrites the state: the dcp_plus load
+        runs right after it and puts the state back."""
+        into = state_scatter([t for _, t in iter_tensors(self.sd)],
+                             sum(align_up(os.path.getsize(f)) for f in files))
+        def one(k: int) -> Sample:
+            return self._measure(lambda: direct_read(files, k, into), cold=files)
+        return min((one(k) for k in STREAMS), key=lambda s: s.seconds)
+
     def load_dcp(self, d: str, reader: Any, planner: Any) -> Sample:
         parts: dict[str, float] = {}
         timed_methods(reader, ["read_metadata", "set_up_storage_reader", "read_data"], parts)
@@ -510,7 +535,8 @@ class Bench:
             (W_DD, self.save_dd),
             (W_PWRITE, self.save_pwrite),
             (W_PWRITE2, lambda d: self.save_pwrite(d, streams=2)),
-            (W_PLUS, lambda d: self.save_dcp(d, LocalWriter(d, threads=2), self.sd)),
+            (W_PLUS, lambda d: self._save_plus(d, threads=2)),
+            (W_PLUS_FIRST, self._save_plus_first),
             (W_SLAB, self._save_slab),
             (W_SLAB_NEW, self._save_slab_new),
             (W_STOCK, lambda d: self.save_dcp(d, FileSystemWriter(d), self.sd)),
@@ -523,14 +549,14 @@ class Bench:
             saves.append((W_PROTO, self.save_proto_direct))
         if not a.no_variants:
             saves += [
-                (W_PLUS4, lambda d: self.save_dcp(d, LocalWriter(d, threads=4), self.sd)),
+                (W_PLUS4, lambda d: self._save_plus(d, threads=4)),
                 (W_STOCK2, lambda d: self.save_dcp(d, FileSystemWriter(d, thread_count=2),
                                                    self.sd)),
                 (W_STOCK4, lambda d: self.save_dcp(d, FileSystemWriter(d, thread_count=4),
                                                    self.sd)),
             ]
         keep = {W_PLUS, W_SLAB, W_STOCK, W_DIRECT[max(STREAMS)]}
-        n_loads = 5 + (0 if self.refused else 2 * len(STREAMS)) + (0 if a.no_variants else 2)
+        n_loads = 5 + (0 if self.refused else 2 * len(STREAMS) + 1) + (0 if a.no_variants else 2)
         n_tc = 0 if self.tc_missing else len(tc.SAVES) + len(tc.LOADS)
         bar = tqdm(total=a.repeats * (len(saves) + n_loads + n_tc), file=sys.stderr, unit="case",
                    dynamic_ncols=True)
@@ -553,7 +579,7 @@ class Bench:
                         shutil.rmtree(d)
                     bar.update()
                 loads = self._loads(kept)
-                order_l = random.Random(1000 + rep).sample(loads, len(loads))
+                order_l = after_state_read(random.Random(1000 + rep).sample(loads, len(loads)))
                 for name, fn_l in order_l:
                     bar.set_postfix_str(f"rep {rep + 1}: {name}")
                     self.samples[name].append(fn_l())
@@ -599,6 +625,7 @@ class Bench:
             loads += [(R_DIRECT[k], lambda k=k: self.load_direct(direct, k)) for k in STREAMS]
             loads += [(R_HUGE[k], lambda k=k: self.load_direct(direct, k, huge=True))
                       for k in STREAMS]
+            loads.append((R_STATE, lambda: self.load_direct_state(files)))
         if not self.args.no_variants:
             loads += [
                 (R_PLUS2, lambda: self.load_dcp(plus, LocalReader(plus, threads=2),
@@ -606,6 +633,23 @@ class Bench:
                 (R_SLAB, lambda: self.load_dcp(slab, LocalReader(slab), SafeLoadPlanner())),
             ]
         return loads
+
+    def _save_plus(self, d: str, threads: int) -> Sample:
+        """A save through bounce buffers the process mapped for a save before (an untimed
+        save first where there was none)."""
+        if not self.bounce_warm:
+            warm = f"{d}.warm-up"
+            dcp.save(self.sd, storage_writer=LocalWriter(warm, threads=threads), no_dist=True)
+            shutil.rmtree(warm)
+            self.bounce_warm = True
+        return self.save_dcp(d, LocalWriter(d, threads=threads), self.sd)
+
+    def _save_plus_first(self, d: str) -> Sample:
+        """A process's first save: the bounce pool released, its buffers mapped as filled."""
+        bounce_pool.release_idle()
+        s = self.save_dcp(d, LocalWriter(d, threads=2), self.sd)
+        self.bounce_warm = True  # the pool keeps what this save mapped
+        return s
 
     def _save_slab(self, d: str) -> Sample:
         """A save by workers that wrote this slab before (as from a job's second checkpoint
@@ -662,9 +706,15 @@ class Bench:
         def x(name: str, limit: str) -> float | None:
             return rel(name, limits[limit]) if limit in limits else None
 
-        def paired(name: str, limit: str) -> float:
+        def paired(name: str, limit: str) -> float | None:
             """Median over repeats of this case / the limit measured in the same repeat."""
-            a, b = self.samples[name], self.samples[limits[limit]]
+            return paired_rel(name, limits[limit])
+
+        def paired_rel(name: str, other: str) -> float | None:
+            """Median over repeats of case ``name`` / case ``other`` in the same repeat."""
+            a, b = self.samples[name], self.samples[other]
+            if not a or not b:
+                return None
             return statistics.median(s.seconds / t.seconds for s, t in zip(a, b, strict=False))
 
         rows: dict[str, dict[str, Any]] = {}
@@ -707,6 +757,7 @@ class Bench:
             "save dcp_plus / write limit, paired": paired(W_PLUS, "write"),
             "save dcp_plus / best buffered write": x(W_PLUS, "write_best"),
             "save dcp_plus / O_DIRECT write limit": x(W_PLUS, "write_direct"),
+            "save dcp_plus, first / O_DIRECT write limit": x(W_PLUS_FIRST, "write_direct"),
             "save dcp_plus slab / write limit": x(W_SLAB, "write"),
             "save stock / write limit": x(W_STOCK, "write"),
             "save dcp_plus slab / O_DIRECT write limit": x(W_SLAB, "write_direct"),
@@ -724,6 +775,9 @@ class Bench:
             "load dcp_plus / best buffered read": x(R_PLUS, "read_best"),
             "load dcp_plus / O_DIRECT read limit": x(R_PLUS, "read_direct"),
             "load dcp_plus / O_DIRECT read limit, 4 KiB pages": x(R_PLUS, "read_direct_4k"),
+            "load dcp_plus / O_DIRECT read into the state's memory": rel(R_PLUS, R_STATE),
+            "load dcp_plus / O_DIRECT read into the state's memory, paired": paired_rel(
+                R_PLUS, R_STATE),
             "load dcp_plus no-verify / O_DIRECT read limit": x(R_NOVERIFY, "read_direct"),
             "load dcp_plus no-verify / read limit": x(R_NOVERIFY, "read"),
             "load stock / read limit": x(R_STOCK, "read"),
@@ -756,6 +810,15 @@ class Bench:
             "load1_at_repeat_start": [round(v, 2) for v in self.load_at_start],
             "cases": rows, "ratios": ratios, "targets": targets,
         }
+
+
+def after_state_read(order: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """``order`` with the read into the state's memory (which overwrites it) moved to right
+    before the dcp_plus load that puts the state back."""
+    state = [c for c in order if c[0] == R_STATE]
+    rest = [c for c in order if c[0] != R_STATE]
+    at = next(i for i, c in enumerate(rest) if c[0] == R_PLUS)
+    return rest[:at] + state + rest[at:]
 
 
 def log(msg: str) -> None:
