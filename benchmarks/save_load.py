@@ -182,8 +182,9 @@ R_STOCK = "load: stock FileSystemReader"
 R_STATE = ("load: O_DIRECT cold read into the state's own memory, best of "
            f"{'/'.join(map(str, STREAMS))} streams")
 ORDER = [W_DD, W_PWRITE, W_PWRITE2, *W_DIRECT.values(), *W_HUGE.values(), W_PLUS, W_PLUS_FIRST,
-         W_PLUS4, W_PROTO, STAGE_FIRST, STAGE, W_SLAB, W_SLAB_NEW, W_STOCK, W_STOCK2, W_STOCK4, *tc.SAVES, R_DD, R_DDPAR,
-         *R_DIRECT.values(), *R_HUGE.values(), R_STATE, R_PLUS, R_PLUS2, R_NOVERIFY, R_SLAB, R_STOCK, *tc.LOADS]
+         W_PLUS4, W_PROTO, STAGE_FIRST, STAGE, W_SLAB, W_SLAB_NEW, W_STOCK, W_STOCK2, W_STOCK4,
+         *tc.SAVES, R_DD, R_DDPAR, *R_DIRECT.values(), *R_HUGE.values(), R_STATE, R_PLUS, R_PLUS2,
+         R_NOVERIFY, R_SLAB, R_STOCK, *tc.LOADS]
 
 
 # ----------------------------------------------------------------------------- timing helpers
