@@ -88,10 +88,15 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from benchmarks.save_load import SlabState, data_files
 from benchmarks.state_memory import contiguity, interiors, state_scatter
 from dcp_plus.cli.bench.copy_beside import CopyBeside, beside_buffers
-from dcp_plus.cli.bench.limits import STREAMS, direct_read, pwrite_files, ring_buffers
+from dcp_plus.cli.bench.limits import (
+    STREAMS,
+    direct_read,
+    pwrite_files,
+    read_span,
+    ring_buffers,
+)
 from dcp_plus.cli.bench.machine import drop_caches, load1, machine
 from dcp_plus.cli.bench.models import gpt2_like_state_dict, iter_tensors, state_dict_nbytes
-from dcp_plus.format.layout import align_up
 from dcp_plus.format.values import byte_view
 from dcp_plus.planners import CachedSavePlanner, SafeLoadPlanner
 from dcp_plus.readers import LocalReader
@@ -152,8 +157,7 @@ class Rounds(contextlib.AbstractContextManager["Rounds"]):
         self.torch_memory = _torch_memory(self.nbytes)  # last: with the pools' memory taken
         files = data_files(os.path.join(self.root, "bounce"))
         tensors = [t for _, t in iter_tensors(self.sd)]
-        self.state_memory = state_scatter(tensors, sum(align_up(os.path.getsize(f))
-                                                       for f in files))
+        self.state_memory = state_scatter(tensors, read_span(files))
         self.contiguity = contiguity(interiors(tensors))
 
     def _timed(self, fn: Callable[[], object]) -> float:

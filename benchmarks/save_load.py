@@ -118,6 +118,7 @@ from dcp_plus.cli.bench.limits import (
     direct_read,
     direct_refusal,
     pwrite_files,
+    read_span,
     ring_buffers,
 )
 from dcp_plus.cli.bench.machine import (
@@ -397,7 +398,7 @@ class Bench:
         if huge:
             rings = ring_buffers(streams)
             return self._measure(lambda: direct_read(files, streams, None, rings), cold=files)
-        need = sum(align_up(os.path.getsize(f)) for f in files)
+        need = read_span(files)
         buf = self.slab.slab.buffer  # scratch until the next save copies into it
         if len(buf) < need:
             buf.release()
@@ -414,8 +415,7 @@ class Bench:
         tensors (their 4 KiB-aligned interiors, a scratch buffer for the rest): what the
         device gives into the pages a load fills. It overwrites the state: the dcp_plus load
         runs right after it and puts the state back."""
-        into = state_scatter([t for _, t in iter_tensors(self.sd)],
-                             sum(align_up(os.path.getsize(f)) for f in files))
+        into = state_scatter([t for _, t in iter_tensors(self.sd)], read_span(files))
         def one(k: int) -> Sample:
             return self._measure(lambda: direct_read(files, k, into), cold=files)
         return min((one(k) for k in STREAMS), key=lambda s: s.seconds)
@@ -639,9 +639,7 @@ class Bench:
         """A save through bounce buffers the process mapped for a save before (an untimed
         save first where there was none)."""
         if not self.bounce_warm:
-            warm = f"{d}.warm-up"
-            dcp.save(self.sd, storage_writer=LocalWriter(warm, threads=threads), no_dist=True)
-            shutil.rmtree(warm)
+            untimed_save(self.sd, f"{d}.warm-up", lambda w: LocalWriter(w, threads=threads))
             self.bounce_warm = True
         return self.save_dcp(d, LocalWriter(d, threads=threads), self.sd)
 
@@ -656,10 +654,7 @@ class Bench:
         """A save by workers that wrote this slab before (as from a job's second checkpoint
         on: the stager reuses its slabs); an untimed save first where they have not."""
         if not self.slab_mapped:
-            warm = f"{d}.warm-up"
-            dcp.save(self.slab.state, storage_writer=LocalWriter(warm, workers=2),
-                     no_dist=True)
-            shutil.rmtree(warm)
+            untimed_save(self.slab.state, f"{d}.warm-up", lambda w: LocalWriter(w, workers=2))
             self.slab_mapped = True
         return self._slab_save(d)
 
@@ -811,6 +806,12 @@ class Bench:
             "load1_at_repeat_start": [round(v, 2) for v in self.load_at_start],
             "cases": rows, "ratios": ratios, "targets": targets,
         }
+
+
+def untimed_save(state: dict[str, Any], d: str, writer: Callable[[str], Any]) -> None:
+    """Save ``state`` into ``d`` with ``writer(d)`` and remove it: a warm-up, not measured."""
+    dcp.save(state, storage_writer=writer(d), no_dist=True)
+    shutil.rmtree(d)
 
 
 def after_state_read(order: list[tuple[str, Any]]) -> list[tuple[str, Any]]:

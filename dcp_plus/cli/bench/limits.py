@@ -191,6 +191,12 @@ def _pieces(buf: memoryview | Scatter | None, rings: list[memoryview] | None, st
     return buf.views(at, n) if isinstance(buf, Scatter) else [buf[at:at + n]]
 
 
+def read_span(files: list[str]) -> int:
+    """The bytes a buffer needs to take ``files`` by :func:`direct_read`: each file's size
+    rounded up to 4 KiB."""
+    return sum(align_up(os.path.getsize(f)) for f in files)
+
+
 def direct_read(files: list[str], streams: int, into: memoryview | Scatter | None,
                 rings: list[memoryview] | None = None) -> int:
     """Read ``files`` with O_DIRECT by ``streams`` threads (:func:`read_plan`) into ``into``
@@ -200,7 +206,7 @@ def direct_read(files: list[str], streams: int, into: memoryview | Scatter | Non
     into ``rings[s]`` over the last. Returns the bytes read; raises if a file came back
     shorter than its size."""
     sizes = [os.path.getsize(f) for f in files]
-    need = sum(align_up(n) for n in sizes)
+    need = read_span(files)
     if rings is not None:
         if len(rings) < streams or min(len(r) for r in rings) < CHUNK:
             raise ValueError(f"direct_read: {streams} rings of {CHUNK} bytes needed")
